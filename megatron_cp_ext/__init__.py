@@ -1,0 +1,13 @@
+"""Context parallelism for attention on packed variable-length sequences.
+
+Public API (design §1): :func:`shard_sequences` -> :class:`CPSharding` (shard/unshard, plan
+cache) and :func:`cp_attention` for the ``p2p``, ``all_gather``, ``a2a`` and ``a2a+p2p`` comm
+types over thd, bshd and sbhd layouts.
+"""
+
+from .attention import COMM_TYPES, QKV_FORMATS, cp_attention
+from .masks import MaskSpec
+from .sharding import CPSharding, Segment, shard_sequences
+
+__all__ = ["cp_attention", "shard_sequences", "CPSharding", "Segment", "MaskSpec", "COMM_TYPES", "QKV_FORMATS"]
+__version__ = "0.1.0"

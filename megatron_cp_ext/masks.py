@@ -1,0 +1,136 @@
+"""Mask spec and the decomposition of a (Q range, KV range) pair into flash-expressible blocks.
+
+Masks are defined on global positions inside one sequence (design §1): query at position q
+sees key k iff ``(causal => k <= q)``, ``(left >= 0 => k >= q - left)``,
+``(right >= 0 and not causal => k <= q + right)`` and ``(chunk => q // chunk == k // chunk)``.
+
+A flash varlen call aligns causal/windows bottom-right per entry. For a Q range
+``[qs, qe)`` and a KV range ``[ks, ke)`` that alignment equals global alignment shifted by
+``c = ke - qe``, so we cut the pair into sub-ranges on which each bound of the visible band
+(lower: ``max(ks, q - left)``; upper: ``min(ke - 1, q + right)``) is either constant or
+sliding, trim KV to exactly the keys the sub-range sees, and express it as one of: fully
+visible (no mask), causal (upper bound sliding), left window (lower bound sliding) or both.
+Chunked attention is the same after cutting both ranges at chunk boundaries.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+__all__ = ["MaskSpec", "Block", "visible_blocks", "flash_visible"]
+
+
+@dataclass(frozen=True)
+class MaskSpec:
+    """A normalised attention mask (hashable: it keys plan caches)."""
+
+    causal: bool = True
+    """Keys after the query are invisible."""
+    left: int = -1
+    """Keys more than ``left`` positions before the query are invisible; -1 = unbounded."""
+    right: int = -1
+    """Keys more than ``right`` positions after the query are invisible; -1 = unbounded.
+    Ignored (treated as 0) when ``causal``."""
+    chunk: int | None = None
+    """Chunked attention: only keys in the same ``chunk``-token chunk are visible."""
+
+    @classmethod
+    def make(cls, *, causal: bool, window_size: tuple[int, int] = (-1, -1), chunk_size: int | None = None) -> "MaskSpec":
+        """Validate user arguments and build the normalised spec."""
+        if not isinstance(causal, bool):
+            raise ValueError(f"causal must be a bool, got {causal!r}")
+        if len(tuple(window_size)) != 2:
+            raise ValueError(f"window_size must be a (left, right) pair, got {window_size!r}")
+        left, right = (int(w) for w in window_size)
+        if left < -1 or right < -1:
+            raise ValueError(f"window_size entries must be >= 0 or -1 (unbounded), got {window_size!r}")
+        if chunk_size is not None and (int(chunk_size) != chunk_size or chunk_size < 1):
+            raise ValueError(f"chunk_size must be None or an int >= 1, got {chunk_size!r}")
+        return cls(causal=causal, left=left, right=0 if causal else right, chunk=chunk_size)
+
+    @property
+    def upper(self) -> int | None:
+        """How far after the query keys stay visible (None = unbounded)."""
+        return 0 if self.causal else (None if self.right < 0 else self.right)
+
+    @property
+    def lower(self) -> int | None:
+        """How far before the query keys stay visible (None = unbounded)."""
+        return None if self.left < 0 else self.left
+
+    def visible(self, q: int, k: int) -> bool:
+        """Whether position q sees position k of the same sequence (the definition)."""
+        up, lo = self.upper, self.lower
+        if up is not None and k > q + up:
+            return False
+        if lo is not None and k < q - lo:
+            return False
+        return self.chunk is None or q // self.chunk == k // self.chunk
+
+
+class Block(NamedTuple):
+    """Queries ``[qs, qe)`` against keys ``[ks, ke)`` of one sequence, as one flash entry.
+
+    ``causal``/``window`` are the flash arguments (bottom-right aligned, window entries >= 0
+    or -1) that make the entry exact. Every query of the block sees at least one key.
+    """
+
+    qs: int
+    qe: int
+    ks: int
+    ke: int
+    causal: bool
+    window: tuple[int, int]
+
+
+def _band_blocks(qs: int, qe: int, ks: int, ke: int, lo: int | None, up: int | None) -> list[Block]:
+    """Blocks for the band ``q - lo <= k <= q + up`` (None = unbounded) inside the ranges."""
+    if ks >= ke:
+        return []
+    first = qs if up is None else max(qs, ks - up)  # earliest query seeing key ks
+    last = qe if lo is None else min(qe, ke + lo)  # one past the last query seeing key ke-1
+    if first >= last:
+        return []
+    cuts = {first, last}
+    lo_slides_from = None if lo is None else ks + lo + 1  # from here the lower bound is q - lo
+    up_slides_until = None if up is None else ke - 1 - up  # before here the upper bound is q + up
+    for b in (lo_slides_from, up_slides_until):
+        if b is not None and first < b < last:
+            cuts.add(b)
+    points = sorted(cuts)
+    blocks = []
+    for a, b in zip(points[:-1], points[1:]):
+        lo_slides = lo_slides_from is not None and a >= lo_slides_from
+        up_slides = up_slides_until is not None and a < up_slides_until
+        k0 = a - lo if lo_slides else ks
+        k1 = b + up if up_slides else ke
+        shift = k1 - b
+        left = lo + shift if lo_slides else -1
+        blocks.append(Block(a, b, k0, k1, up_slides, (left, 0 if up_slides else -1)))
+    return blocks
+
+
+def visible_blocks(mask: MaskSpec, qs: int, qe: int, ks: int, ke: int) -> list[Block]:
+    """Exact cover of the visible pairs of ``[qs, qe) x [ks, ke)`` by flash-expressible blocks."""
+    if mask.chunk is None:
+        return _band_blocks(qs, qe, ks, ke, mask.lower, mask.upper)
+    c = mask.chunk
+    out: list[Block] = []
+    if qs >= qe or ks >= ke:
+        return out
+    for n in range(max(qs // c, ks // c), min((qe - 1) // c, (ke - 1) // c) + 1):
+        a, b = n * c, (n + 1) * c
+        out += _band_blocks(max(qs, a), min(qe, b), max(ks, a), min(ke, b), mask.lower, mask.upper)
+    return out
+
+
+def flash_visible(i: int, j: int, sq: int, sk: int, causal: bool, window: tuple[int, int]) -> bool:
+    """flash-attn varlen visibility of local key j for local query i in one entry."""
+    shift = sk - sq
+    left, right = window
+    if causal:
+        right = 0
+    if right >= 0 and j > i + shift + right:
+        return False
+    return not (left >= 0 and j < i + shift - left)

@@ -1,0 +1,62 @@
+"""``all_gather``: gather every rank's KV once, attend, reduce-scatter dK/dV.
+
+Blocks are padded to the largest per-rank count for the collective; the plan addresses
+rank j's rows at ``j * pad`` directly. KV is gathered again in backward rather than kept
+alive between forward and backward (activation memory is the scarcer resource at long
+context).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..comm import all_gather_padded, reduce_scatter_padded
+from ..masks import MaskSpec
+from ..plan import StepPlan, layout_of, plan_step
+from ..sharding import Segment
+from .common import Run, new_accumulators, pack_kv, step_backward, step_forward
+
+__all__ = ["GatherPlan", "build_plan", "forward", "backward"]
+
+
+@dataclass
+class GatherPlan:
+    counts: list[int]
+    """Tokens of each rank."""
+    pad: int
+    """Rows per rank in the gathered buffer (the largest count)."""
+    step: StepPlan
+    """Local queries against the whole gathered KV."""
+
+
+def build_plan(q_segments: list[tuple[Segment, ...]], kv_segments: list[tuple[Segment, ...]], rank: int, mask: MaskSpec) -> GatherPlan:
+    counts = [sum(s.length for s in segs) for segs in kv_segments]
+    pad = max(counts)
+    kv_layout = [p for j, segs in enumerate(kv_segments) for p in layout_of(segs, j * pad)]
+    return GatherPlan(counts, pad, plan_step(layout_of(q_segments[rank]), kv_layout, mask))
+
+
+def _gather(run: Run, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    kv = pack_kv(k, v)
+    if run.group is None:
+        return kv
+    return all_gather_padded(kv, run.plan.pad, run.group)
+
+
+def forward(run: Run, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    kv_all = _gather(run, k, v)
+    out, lse = new_accumulators(q, v.shape[-1])
+    step_forward(run.plan.step.on(q.device), run, q, kv_all, out, lse)
+    return out.to(q.dtype), lse
+
+
+def backward(run: Run, dout, q, k, v, out, lse) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    kv_all = _gather(run, k, v)
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dkv_all = torch.zeros(kv_all.shape, dtype=torch.float32, device=q.device)
+    step_backward(run.plan.step.on(q.device), run, (dout, q, out, lse), kv_all, dq, dkv_all)
+    dkv = dkv_all if run.group is None else reduce_scatter_padded(dkv_all, run.group)
+    dkv = dkv[: k.shape[0]]
+    return dq.to(q.dtype), dkv[..., : run.dk].to(k.dtype), dkv[..., run.dk :].to(v.dtype)

@@ -1,0 +1,104 @@
+"""What every schedule shares: running a step's planned calls forward and backward.
+
+A schedule only decides which KV buffer a step sees; computing a step is always the same:
+for each planned call, take its query/key rows (a view when contiguous, else a gather), run
+the local varlen kernel, and merge (forward) or accumulate (backward) by the call's rows.
+
+Shape legend: ``t`` local tokens, ``H``/``Hk`` query/KV heads, ``D`` qk dim, ``Dv`` v dim;
+``KV`` buffers pack K and V along the last dim (``[rows, Hk, D + Dv]``) so one message moves both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+from ..ops import gather_rows, index_add_rows, merge_partial
+from ..plan import VarlenCall
+
+__all__ = ["Run", "take", "accumulate", "step_forward", "step_backward", "pack_kv", "new_accumulators"]
+
+
+@dataclass(frozen=True)
+class Run:
+    """Everything one attention call needs besides the tensors (fixed per plan and layer)."""
+
+    plan: object
+    """The schedule's plan for this rank (built once per micro-batch)."""
+    group: object
+    """Process group(s) the schedule communicates over (None for a single rank)."""
+    backend: ModuleType
+    """Local varlen kernels (``attn_fwd``/``attn_bwd``)."""
+    scale: float
+    """Softmax scale."""
+    dk: int
+    """Query/key head dim: splits packed KV buffers into K and V."""
+
+
+def take(x: torch.Tensor, sl: tuple[int, int] | None, idx: torch.Tensor | None) -> torch.Tensor:
+    """Rows of ``x`` selected by a call: a slice view when contiguous, else a gather."""
+    return x[sl[0] : sl[1]] if sl is not None else gather_rows(x, idx)
+
+
+def accumulate(acc: torch.Tensor, sl: tuple[int, int] | None, idx: torch.Tensor | None, src: torch.Tensor) -> None:
+    """``acc[rows] += src`` for a call's rows (rows may repeat across entries of one call)."""
+    if sl is not None:
+        acc[sl[0] : sl[1]] += src
+    else:
+        index_add_rows(acc, idx, src)
+
+
+def pack_kv(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return torch.cat([k, v], dim=-1)
+
+
+def new_accumulators(q: torch.Tensor, dv: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 output (zeros) and lse (-inf) accumulators for the online-softmax merge."""
+    out = q.new_zeros((q.shape[0], q.shape[1], dv), dtype=torch.float32)
+    lse = q.new_full((q.shape[0], q.shape[1]), float("-inf"), dtype=torch.float32)
+    return out, lse
+
+
+def step_forward(
+    calls: list[VarlenCall], run: Run, q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor, lse: torch.Tensor
+) -> None:
+    """Merge this step's attention of ``q`` over the ``kv`` buffer into ``out``/``lse``."""
+    k, v = kv[..., : run.dk], kv[..., run.dk :]
+    for c in calls:
+        o, l = run.backend.attn_fwd(
+            take(q, c.q_slice, c.q_index), take(k, c.k_slice, c.k_index), take(v, c.k_slice, c.k_index),
+            c.cu_seqlens_q, c.cu_seqlens_k, c.max_seqlen_q, c.max_seqlen_k, c.causal, c.window, run.scale,
+        )  # fmt: skip
+        if c.q_slice is not None:
+            a, b = c.q_slice
+            merge_partial(out[a:b], lse[a:b], o, l, None)
+        else:
+            merge_partial(out, lse, o, l, c.q_index)
+
+
+def step_backward(
+    calls: list[VarlenCall],
+    run: Run,
+    saved: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    kv: torch.Tensor,
+    dq: torch.Tensor,
+    dkv: torch.Tensor,
+) -> None:
+    """Accumulate this step's gradients: ``dq`` for local queries, ``dkv`` for the KV buffer.
+
+    ``saved`` is ``(dout, q, out, lse)`` with the final merged ``out``/``lse``.
+    """
+    dout, q, out, lse = saved
+    k, v = kv[..., : run.dk], kv[..., run.dk :]
+    dk_acc, dv_acc = dkv[..., : run.dk], dkv[..., run.dk :]
+    for c in calls:
+        qs, ks = (c.q_slice, c.q_index), (c.k_slice, c.k_index)
+        g_q, g_k, g_v = run.backend.attn_bwd(
+            take(dout, *qs), take(q, *qs), take(k, *ks), take(v, *ks), take(out, *qs), take(lse, *qs),
+            c.cu_seqlens_q, c.cu_seqlens_k, c.max_seqlen_q, c.max_seqlen_k, c.causal, c.window, run.scale,
+        )  # fmt: skip
+        accumulate(dq, *qs, g_q)
+        accumulate(dk_acc, *ks, g_k)
+        accumulate(dv_acc, *ks, g_v)

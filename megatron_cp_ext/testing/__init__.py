@@ -1,0 +1,1 @@
+"""Test utilities shipped with the package: the gloo worker pool and the dense reference."""

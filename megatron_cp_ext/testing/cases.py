@@ -1,0 +1,104 @@
+"""Multi-rank attention cases: run ``cp_attention`` on each rank and check against the dense
+fp64 reference over the whole unsharded batch.
+
+``run_case`` is the worker side (it runs on every rank of a pool); ``check_case`` is the
+driver side (it unshards the per-rank results and compares them). Every tensor is generated
+from a seed on every rank, so no data crosses the pool's queues except results.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.distributed as dist
+
+import megatron_cp_ext as mcx
+
+from .reference import dense_attention
+
+__all__ = ["AttnCase", "run_case", "check_case", "TOLERANCE"]
+
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3.5e-2, torch.float16: 5e-3}
+
+
+@dataclass(frozen=True)
+class AttnCase:
+    """One configuration of a multi-rank attention test."""
+
+    seqlens: tuple[int, ...]
+    comm_type: str = "p2p"
+    causal: bool = True
+    hq: int = 4
+    hkv: int = 4
+    d: int = 8
+    dv: int = 8
+    dtype: str = "float32"
+    window_size: tuple[int, int] = (-1, -1)
+    chunk_size: int | None = None
+    balance: str = "dualchunk"
+    segments: tuple | None = None
+    """Explicit per-rank segments (a custom sharding) instead of ``balance``."""
+    seed: int = 0
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def cu_seqlens(self) -> list[int]:
+        cu = [0]
+        for n in self.seqlens:
+            cu.append(cu[-1] + n)
+        return cu
+
+    def sharding(self, cp: int) -> mcx.CPSharding:
+        if self.segments is not None:
+            return mcx.CPSharding.from_segments(self.cu_seqlens, self.segments)
+        return mcx.shard_sequences(torch.tensor(self.cu_seqlens, dtype=torch.int32), cp, self.balance)
+
+    def inputs(self) -> tuple[torch.Tensor, ...]:
+        """Global q, k, v, dout in float64 (cast per case)."""
+        g = torch.Generator().manual_seed(self.seed)
+        t = self.cu_seqlens[-1]
+        q = torch.randn(t, self.hq, self.d, generator=g, dtype=torch.float64)
+        k = torch.randn(t, self.hkv, self.d, generator=g, dtype=torch.float64)
+        v = torch.randn(t, self.hkv, self.dv, generator=g, dtype=torch.float64)
+        dout = torch.randn(t, self.hq, self.dv, generator=g, dtype=torch.float64)
+        return q, k, v, dout
+
+
+def run_case(rank: int, world: int, case: AttnCase) -> dict[str, torch.Tensor]:
+    """Worker: shard, run forward + backward on this rank, return local results."""
+    dtype = getattr(torch, case.dtype)
+    sharding = case.sharding(world)
+    q, k, v, dout = (sharding.shard(x, rank).to(dtype) for x in case.inputs())
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    out = mcx.cp_attention(
+        q, k, v, cp_group=dist.group.WORLD, comm_type=case.comm_type, sharding=sharding,
+        causal=case.causal, window_size=case.window_size, chunk_size=case.chunk_size,
+    )  # fmt: skip
+    out.backward(dout)
+    return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+
+
+def check_case(results: list[dict[str, torch.Tensor]], case: AttnCase) -> dict[str, float]:
+    """Driver: unshard and compare against the dense fp64 reference; returns max errors."""
+    world = len(results)
+    sharding = case.sharding(world)
+    q, k, v, dout = case.inputs()
+    dtype = getattr(torch, case.dtype)
+    # the reference sees the same rounded inputs as the ranks did
+    q, k, v = (x.to(dtype).double().requires_grad_() for x in (q, k, v))
+    ref = dense_attention(
+        q, k, v, case.cu_seqlens, causal=case.causal, window_size=case.window_size, chunk_size=case.chunk_size
+    )
+    ref.backward(dout.to(dtype).double())
+    want = {"out": ref, "dq": q.grad, "dk": k.grad, "dv": v.grad}
+    errors = {}
+    for name, w in want.items():
+        got = sharding.unshard([r[name] for r in results]).double()
+        assert got.shape == w.shape, (name, got.shape, w.shape)
+        assert torch.isfinite(got).all(), f"{name} has non-finite values for {asdict(case)}"
+        errors[name] = (got - w).abs().max().item() if got.numel() else 0.0
+    tol = TOLERANCE[dtype]
+    bad = {n: e for n, e in errors.items() if e > tol}
+    assert not bad, f"errors {bad} above {tol} for {case}"
+    return errors

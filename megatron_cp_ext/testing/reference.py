@@ -1,0 +1,73 @@
+"""Dense fp64 attention over whole, unsharded packed sequences: the tests' ground truth.
+
+Independent of everything the CP engine uses (no plan, no varlen kernel semantics): it
+builds the full ``[t, t]`` visibility matrix straight from the mask definition of
+design §1 and runs a plain softmax in float64.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["visibility_matrix", "dense_attention"]
+
+
+def visibility_matrix(
+    cu_seqlens: list[int] | torch.Tensor,
+    *,
+    causal: bool,
+    window_size: tuple[int, int] = (-1, -1),
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """Boolean ``[t, t]``: entry (i, j) says whether global query token i sees key token j."""
+    cu = [int(x) for x in cu_seqlens]
+    total = cu[-1]
+    seq = torch.empty(total, dtype=torch.long)
+    pos = torch.empty(total, dtype=torch.long)
+    for s in range(len(cu) - 1):
+        seq[cu[s] : cu[s + 1]] = s
+        pos[cu[s] : cu[s + 1]] = torch.arange(cu[s + 1] - cu[s])
+    qp, kp = pos[:, None], pos[None, :]
+    vis = seq[:, None] == seq[None, :]
+    left, right = window_size
+    if causal:
+        vis &= kp <= qp
+    if left >= 0:
+        vis &= kp >= qp - left
+    if right >= 0 and not causal:
+        vis &= kp <= qp + right
+    if chunk_size is not None:
+        vis &= (qp // chunk_size) == (kp // chunk_size)
+    return vis
+
+
+def dense_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: list[int] | torch.Tensor,
+    *,
+    causal: bool,
+    window_size: tuple[int, int] = (-1, -1),
+    chunk_size: int | None = None,
+    softmax_scale: float | None = None,
+) -> torch.Tensor:
+    """THD attention ``[t, hq, d] x [t, hkv, d] x [t, hkv, dv] -> [t, hq, dv]`` in float64.
+
+    Differentiable (autograd through plain ops). Queries with no visible key output zeros.
+    """
+    t, hq, d = q.shape
+    hkv = k.shape[1]
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    q64, k64, v64 = q.double(), k.double(), v.double()
+    k64 = k64.repeat_interleave(hq // hkv, dim=1)
+    v64 = v64.repeat_interleave(hq // hkv, dim=1)
+    vis = visibility_matrix(cu_seqlens, causal=causal, window_size=window_size, chunk_size=chunk_size)
+    s = torch.einsum("qhd,khd->hqk", q64, k64) * scale
+    s = s.masked_fill(~vis[None], float("-inf"))
+    any_vis = vis.any(dim=1)[None, :, None]
+    p = torch.softmax(torch.where(any_vis, s, torch.zeros_like(s)), dim=-1)
+    p = torch.where(any_vis & vis[None], p, torch.zeros_like(p))
+    return torch.einsum("hqk,khd->qhd", p, v64)
