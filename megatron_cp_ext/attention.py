@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -119,7 +119,9 @@ def _get_run(q, sharding, shapes, group, size, rank, comm_type, mask, backend, s
     if hit is not None:
         plan = hit
         if shapes.tokens != sharding.num_tokens(rank):
-            raise ValueError(f"q has {shapes.tokens} tokens but the sharding gives CP rank {rank} {sharding.num_tokens(rank)}")
+            raise ValueError(
+                f"q has {shapes.tokens} tokens but the sharding gives CP rank {rank} {sharding.num_tokens(rank)}"
+            )
     else:
         sig = _signature(sharding, shapes, comm_type, mask, rank)
         sigs = exchange_ints(sig, group, q.device) if group is not None else [sig]
@@ -216,6 +218,8 @@ def _seq_format_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, arg
     _, size, _ = _group_info(args["cp_group"], args["comm_type"])
     sharding = _fixed_length_sharding(b, s_local, size, fmt)
     thd = [x.reshape(b * s_local, *x.shape[2:]) for x in (q, k, v)]
-    kw = {n: args[n] for n in ("cp_group", "comm_type", "causal", "window_size", "chunk_size", "softmax_scale", "backend")}
+    kw = {
+        n: args[n] for n in ("cp_group", "comm_type", "causal", "window_size", "chunk_size", "softmax_scale", "backend")
+    }
     out = cp_attention(*thd, qkv_format="thd", sharding=sharding, **kw).view(b, s_local, *q.shape[2:3], -1)
     return out.transpose(0, 1).contiguous() if fmt == "sbhd" else out

@@ -36,7 +36,7 @@ class MaskSpec:
     """Chunked attention: only keys in the same ``chunk``-token chunk are visible."""
 
     @classmethod
-    def make(cls, *, causal: bool, window_size: tuple[int, int] = (-1, -1), chunk_size: int | None = None) -> "MaskSpec":
+    def make(cls, *, causal: bool, window_size: tuple[int, int] = (-1, -1), chunk_size: int | None = None) -> MaskSpec:
         """Validate user arguments and build the normalised spec."""
         if not isinstance(causal, bool):
             raise ValueError(f"causal must be a bool, got {causal!r}")
@@ -93,8 +93,8 @@ def _band_blocks(qs: int, qe: int, ks: int, ke: int, lo: int | None, up: int | N
     if first >= last:
         return []
     cuts = {first, last}
-    lo_slides_from = None if lo is None else ks + lo + 1  # from here the lower bound is q - lo
-    up_slides_until = None if up is None else ke - 1 - up  # before here the upper bound is q + up
+    lo_slides_from = None if lo is None else ks + lo  # from here the lower bound is q - lo
+    up_slides_until = None if up is None else ke - up  # before here the upper bound is q + up
     for b in (lo_slides_from, up_slides_until):
         if b is not None and first < b < last:
             cuts.add(b)

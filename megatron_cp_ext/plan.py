@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import bisect
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable, NamedTuple
+from typing import NamedTuple
 
 import torch
 
@@ -108,7 +109,7 @@ class VarlenCall:
         self.cu_seqlens_k = torch.tensor([0] + lk, dtype=torch.int32).cumsum(0, dtype=torch.int32)
         self.max_seqlen_q, self.max_seqlen_k = max(lq), max(lk)
 
-    def to(self, device: torch.device) -> "VarlenCall":
+    def to(self, device: torch.device) -> VarlenCall:
         move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
         return VarlenCall(
             self.causal, self.window, self.q_rows, self.k_rows,

@@ -10,8 +10,8 @@ Shape legend: ``T`` global tokens, ``t`` one rank's tokens.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 
@@ -46,7 +46,9 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor | Sequence[int], name: str = "cu_s
                 f"got device {cu_seqlens.device}"
             )
         if cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype == torch.bool:
-            raise ValueError(f"{name} must be a 1-D integer tensor, got {cu_seqlens.dtype} of shape {tuple(cu_seqlens.shape)}")
+            raise ValueError(
+                f"{name} must be a 1-D integer tensor, got {cu_seqlens.dtype} of shape {tuple(cu_seqlens.shape)}"
+            )
         cu = [int(x) for x in cu_seqlens.tolist()]
     else:
         cu = [int(x) for x in cu_seqlens]
@@ -146,7 +148,9 @@ class CPSharding:
             raise ValueError(f"unshard needs one tensor per rank ({self.cp_size}), got {len(xs)}")
         for r, x in enumerate(xs):
             if x.shape[dim] != self.num_tokens(r):
-                raise ValueError(f"rank {r}'s tensor has {x.shape[dim]} tokens, the sharding gives it {self.num_tokens(r)}")
+                raise ValueError(
+                    f"rank {r}'s tensor has {x.shape[dim]} tokens, the sharding gives it {self.num_tokens(r)}"
+                )
         cat = torch.cat(list(xs), dim=dim)
         idx = torch.cat(self._global_index).to(cat.device)
         return torch.empty_like(cat).index_copy_(dim, idx, cat)
@@ -155,16 +159,14 @@ class CPSharding:
     @classmethod
     def from_segments(
         cls, cu_seqlens: torch.Tensor | Sequence[int], segments: Sequence[Sequence[Segment | tuple[int, int, int]]]
-    ) -> "CPSharding":
+    ) -> CPSharding:
         """A custom layout: ``segments[r]`` lists rank r's ``(seq, start, end)`` ranges."""
         cu = check_cu_seqlens(cu_seqlens)
         segs = tuple(tuple(s if isinstance(s, Segment) else Segment(*s) for s in rank) for rank in segments)
         return cls(cu_seqlens=tuple(cu), cp_size=len(segs), segments=segs)
 
 
-def shard_sequences(
-    cu_seqlens: torch.Tensor | Sequence[int], cp_size: int, balance: str = "dualchunk"
-) -> CPSharding:
+def shard_sequences(cu_seqlens: torch.Tensor | Sequence[int], cp_size: int, balance: str = "dualchunk") -> CPSharding:
     """Assign every token of a packed batch to a CP rank.
 
     ``dualchunk``: each sequence is cut into ``2*cp_size`` chunks whose sizes differ by at most

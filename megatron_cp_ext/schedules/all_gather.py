@@ -31,7 +31,9 @@ class GatherPlan:
     """Local queries against the whole gathered KV."""
 
 
-def build_plan(q_segments: list[tuple[Segment, ...]], kv_segments: list[tuple[Segment, ...]], rank: int, mask: MaskSpec) -> GatherPlan:
+def build_plan(
+    q_segments: list[tuple[Segment, ...]], kv_segments: list[tuple[Segment, ...]], rank: int, mask: MaskSpec
+) -> GatherPlan:
     counts = [sum(s.length for s in segs) for segs in kv_segments]
     pad = max(counts)
     kv_layout = [p for j, segs in enumerate(kv_segments) for p in layout_of(segs, j * pad)]

@@ -65,17 +65,17 @@ def step_forward(
     calls: list[VarlenCall], run: Run, q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor, lse: torch.Tensor
 ) -> None:
     """Merge this step's attention of ``q`` over the ``kv`` buffer into ``out``/``lse``."""
-    k, v = kv[..., : run.dk], kv[..., run.dk :]
     for c in calls:
-        o, l = run.backend.attn_fwd(
-            take(q, c.q_slice, c.q_index), take(k, c.k_slice, c.k_index), take(v, c.k_slice, c.k_index),
+        kv_c = take(kv, c.k_slice, c.k_index)  # one gather moves K and V together
+        o, lse_c = run.backend.attn_fwd(
+            take(q, c.q_slice, c.q_index), kv_c[..., : run.dk], kv_c[..., run.dk :],
             c.cu_seqlens_q, c.cu_seqlens_k, c.max_seqlen_q, c.max_seqlen_k, c.causal, c.window, run.scale,
         )  # fmt: skip
         if c.q_slice is not None:
             a, b = c.q_slice
-            merge_partial(out[a:b], lse[a:b], o, l, None)
+            merge_partial(out[a:b], lse[a:b], o, lse_c, None)
         else:
-            merge_partial(out, lse, o, l, c.q_index)
+            merge_partial(out, lse, o, lse_c, c.q_index)
 
 
 def step_backward(
@@ -91,14 +91,12 @@ def step_backward(
     ``saved`` is ``(dout, q, out, lse)`` with the final merged ``out``/``lse``.
     """
     dout, q, out, lse = saved
-    k, v = kv[..., : run.dk], kv[..., run.dk :]
-    dk_acc, dv_acc = dkv[..., : run.dk], dkv[..., run.dk :]
     for c in calls:
         qs, ks = (c.q_slice, c.q_index), (c.k_slice, c.k_index)
+        kv_c = take(kv, *ks)
         g_q, g_k, g_v = run.backend.attn_bwd(
-            take(dout, *qs), take(q, *qs), take(k, *ks), take(v, *ks), take(out, *qs), take(lse, *qs),
+            take(dout, *qs), take(q, *qs), kv_c[..., : run.dk], kv_c[..., run.dk :], take(out, *qs), take(lse, *qs),
             c.cu_seqlens_q, c.cu_seqlens_k, c.max_seqlen_q, c.max_seqlen_k, c.causal, c.window, run.scale,
         )  # fmt: skip
         accumulate(dq, *qs, g_q)
-        accumulate(dk_acc, *ks, g_k)
-        accumulate(dv_acc, *ks, g_v)
+        accumulate(dkv, *ks, torch.cat([g_k.float(), g_v.float()], dim=-1))

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ..comm import Ring
 from ..masks import MaskSpec
 from ..plan import StepPlan, layout_of, plan_step
 from ..sharding import Segment
-from ..comm import Ring
 from .common import Run, new_accumulators, pack_kv, step_backward, step_forward
 
 __all__ = ["RingPlan", "build_plan", "forward", "backward"]
@@ -40,7 +40,9 @@ class RingPlan:
         return (self.rank - t) % len(self.counts)
 
 
-def build_plan(q_segments: list[tuple[Segment, ...]], kv_segments: list[tuple[Segment, ...]], rank: int, mask: MaskSpec) -> RingPlan:
+def build_plan(
+    q_segments: list[tuple[Segment, ...]], kv_segments: list[tuple[Segment, ...]], rank: int, mask: MaskSpec
+) -> RingPlan:
     """Ring plan for participant ``rank``; participants hold ``*_segments[i]`` (any layout)."""
     n = len(kv_segments)
     counts = [sum(s.length for s in segs) for segs in kv_segments]

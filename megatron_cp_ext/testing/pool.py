@@ -18,14 +18,15 @@ import socket
 import sys
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.multiprocessing as mp
 
 __all__ = ["run_on_ranks", "shutdown_pools"]
 
-_POOLS: dict[int, "_Pool"] = {}
+_POOLS: dict[int, _Pool] = {}
 
 
 def _free_port() -> int:

@@ -1,0 +1,172 @@
+"""Row-movement and merge primitives used by every schedule.
+
+These are the only places the hot path touches packed rows: gathering THD rows by a plan
+index (reorder), scatter-adding gradient rows, and the fp32 online-softmax merge of a partial
+attention result into an accumulator. Each has a pure-torch implementation here; when the
+optional CUDA extension (``csrc/``, built as ``megatron_cp_ext._C``) is present, CUDA tensors
+go through its kernels instead, with identical results (see ``docs/kernels.md``).
+
+The kernels are ``torch.library`` ops (``torch.ops.megatron_cp_ext.*``) defined in C++; this
+module registers their fake impls so they trace under ``torch.compile``. The public functions
+below pick the kernel only when it applies exactly (extension built, contiguous tensors on one
+CUDA device, supported dtypes, no autograd graph to record) and otherwise use the fallback, so
+callers never see a difference beyond speed. Without the extension everything still works.
+
+Shapes: ``T`` tokens, ``H`` heads, ``D`` head dim, ``N`` rows of a partial result.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+__all__ = ["HAS_CUDA_EXT", "gather_rows", "index_add_rows", "merge_partial"]
+
+
+def _load_extension() -> str | None:
+    """Import the compiled kernels (importing runs their registration); say why not if absent.
+
+    The reason is kept (``_EXT_IMPORT_ERROR``) because a broken build and no build both end in
+    the fallback, and only the message tells them apart.
+    """
+    try:
+        importlib.import_module("megatron_cp_ext._C")
+    except (ImportError, OSError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+_EXT_IMPORT_ERROR = _load_extension()
+HAS_CUDA_EXT: bool = _EXT_IMPORT_ERROR is None
+"""Whether the CUDA kernels are built and registered as ``torch.ops.megatron_cp_ext.*``."""
+
+_HALVES = (torch.float16, torch.bfloat16)
+_FLOATS = (torch.float32, *_HALVES, torch.float64)
+
+if HAS_CUDA_EXT:
+    # Fake impls: shapes only, for torch.compile / meta tracing. The in-place ops return
+    # nothing; their mutations are declared in the C++ schemas (Tensor(a!)).
+
+    @torch.library.register_fake("megatron_cp_ext::gather_rows")
+    def _gather_rows_fake(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        torch._check(idx.dim() == 1, lambda: "idx must be 1-D")
+        return x.new_empty((idx.shape[0], *x.shape[1:]))
+
+    @torch.library.register_fake("megatron_cp_ext::index_add_rows_")
+    def _index_add_rows_fake(acc: torch.Tensor, idx: torch.Tensor, src: torch.Tensor) -> None:
+        torch._check(src.shape[1:] == acc.shape[1:], lambda: "src rows must match acc rows")
+
+    @torch.library.register_fake("megatron_cp_ext::merge_partial_")
+    def _merge_partial_fake(
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        part_out: torch.Tensor,
+        part_lse: torch.Tensor,
+        idx: torch.Tensor | None,
+    ) -> None:
+        torch._check(part_out.shape[1:] == out.shape[1:], lambda: "part_out must be [N, H, D]")
+
+
+def _use_kernel(*tensors: torch.Tensor) -> bool:
+    """Whether the CUDA kernels can stand in for the fallback on these tensors.
+
+    They need contiguous tensors on one CUDA device, and they record no autograd graph: if
+    anything requires grad, the (differentiable) fallback keeps the semantics.
+    """
+    if not HAS_CUDA_EXT or tensors[0].device.type != "cuda":
+        return False
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return False
+    device = tensors[0].device
+    return all(t.device == device and t.is_contiguous() for t in tensors)
+
+
+def _is_index(idx_N: torch.Tensor) -> bool:
+    return idx_N.dtype == torch.int64 and idx_N.dim() == 1
+
+
+# --- pure-torch implementations (the contract; also what the kernels are tested against) ---
+
+
+def gather_rows_torch(x_T: torch.Tensor, idx_N: torch.Tensor) -> torch.Tensor:
+    """Fallback of :func:`gather_rows`; always the pure-torch path."""
+    return x_T.index_select(0, idx_N)
+
+
+def index_add_rows_torch(acc_T: torch.Tensor, idx_N: torch.Tensor, src_N: torch.Tensor) -> None:
+    """Fallback of :func:`index_add_rows`; always the pure-torch path."""
+    acc_T.index_add_(0, idx_N, src_N.to(acc_T.dtype))
+
+
+def merge_partial_torch(
+    out_THD: torch.Tensor,
+    lse_TH: torch.Tensor,
+    part_out_NHD: torch.Tensor,
+    part_lse_NH: torch.Tensor,
+    idx_N: torch.Tensor | None,
+) -> None:
+    """Fallback of :func:`merge_partial`; always the pure-torch path."""
+    if idx_N is None:
+        acc_out, acc_lse = out_THD, lse_TH
+    else:
+        acc_out, acc_lse = out_THD.index_select(0, idx_N), lse_TH.index_select(0, idx_N)
+    new_lse = torch.logaddexp(acc_lse, part_lse_NH)
+    # exp(-inf - -inf) would be NaN: pin the reference to 0 where nothing is visible at all.
+    safe = torch.where(torch.isneginf(new_lse), torch.zeros_like(new_lse), new_lse)
+    w_acc = torch.exp(acc_lse - safe).unsqueeze(-1)
+    w_part = torch.exp(part_lse_NH - safe).unsqueeze(-1)
+    merged = acc_out * w_acc + part_out_NHD.float() * w_part
+    if idx_N is None:
+        out_THD.copy_(merged)
+        lse_TH.copy_(new_lse)
+    else:
+        out_THD.index_copy_(0, idx_N, merged)
+        lse_TH.index_copy_(0, idx_N, new_lse)
+
+
+# --- public API ---
+
+
+def gather_rows(x_T: torch.Tensor, idx_N: torch.Tensor) -> torch.Tensor:
+    """``x_T[idx_N]`` along dim 0 (THD reorder by a plan index)."""
+    if x_T.dim() >= 1 and _is_index(idx_N) and _use_kernel(x_T, idx_N):
+        return torch.ops.megatron_cp_ext.gather_rows(x_T, idx_N)
+    return gather_rows_torch(x_T, idx_N)
+
+
+def index_add_rows(acc_T: torch.Tensor, idx_N: torch.Tensor, src_N: torch.Tensor) -> None:
+    """``acc_T[idx_N] += src_N`` in place; repeated indices accumulate."""
+    dtypes_ok = (acc_T.dtype == src_N.dtype and acc_T.dtype in _FLOATS) or (
+        acc_T.dtype == torch.float32 and src_N.dtype in _HALVES
+    )
+    if dtypes_ok and acc_T.dim() >= 1 and _is_index(idx_N) and _use_kernel(acc_T, idx_N, src_N):
+        torch.ops.megatron_cp_ext.index_add_rows_(acc_T, idx_N, src_N)
+    else:
+        index_add_rows_torch(acc_T, idx_N, src_N)
+
+
+def merge_partial(
+    out_THD: torch.Tensor,
+    lse_TH: torch.Tensor,
+    part_out_NHD: torch.Tensor,
+    part_lse_NH: torch.Tensor,
+    idx_N: torch.Tensor | None,
+) -> None:
+    """Merge a partial attention result into fp32 accumulators, in place.
+
+    ``out_THD`` (fp32) and ``lse_TH`` (fp32, ``-inf`` where nothing was seen yet) hold the
+    softmax-normalised output and log-sum-exp over the keys merged so far. The partial result
+    covers rows ``idx_N`` (all rows in order when ``None``; rows must be distinct). Rows where
+    both sides are ``-inf`` stay zero and ``-inf`` — never NaN.
+    """
+    fp32 = (out_THD, lse_TH, part_lse_NH)
+    dtypes_ok = all(t.dtype == torch.float32 for t in fp32) and part_out_NHD.dtype in (
+        torch.float32,
+        *_HALVES,
+    )
+    extra = () if idx_N is None else (idx_N,)
+    if dtypes_ok and (idx_N is None or _is_index(idx_N)) and _use_kernel(*fp32, part_out_NHD, *extra):
+        torch.ops.megatron_cp_ext.merge_partial_(out_THD, lse_TH, part_out_NHD, part_lse_NH, idx_N)
+    else:
+        merge_partial_torch(out_THD, lse_TH, part_out_NHD, part_lse_NH, idx_N)

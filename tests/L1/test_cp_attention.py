@@ -1,0 +1,46 @@
+"""Multi-rank cp_attention (gloo, CPU) against the dense fp64 reference of the whole batch."""
+
+import pytest
+
+from megatron_cp_ext.testing.cases import AttnCase, check_case, run_case
+from megatron_cp_ext.testing.pool import run_on_ranks
+
+# lengths not divisible by 2*cp, with empty and one-token sequences
+SEQLENS = (13, 0, 1, 30, 7, 2)
+HEADS = {"mha": (4, 4, 8), "gqa": (4, 2, 8), "mqa": (4, 1, 8), "mla": (4, 2, 6)}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("heads", list(HEADS))
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "nomask"])
+@pytest.mark.parametrize("comm_type", ["p2p", "all_gather"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_matches_dense_reference(world, comm_type, causal, heads, dtype):
+    hq, hkv, dv = HEADS[heads]
+    case = AttnCase(seqlens=SEQLENS, comm_type=comm_type, causal=causal, hq=hq, hkv=hkv, dv=dv, dtype=dtype)
+    check_case(run_on_ranks(world, run_case, case), case)
+
+
+@pytest.mark.parametrize("seqlens", [(1,), (0, 0, 5), (97,), (3, 1, 4, 1, 5, 9, 2, 6)])
+@pytest.mark.parametrize("comm_type", ["p2p", "all_gather"])
+def test_odd_lengths_world4(comm_type, seqlens):
+    case = AttnCase(seqlens=seqlens, comm_type=comm_type, hkv=2, seed=len(seqlens))
+    check_case(run_on_ranks(4, run_case, case), case)
+
+
+@pytest.mark.parametrize("comm_type", ["p2p", "all_gather"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_whole_sequences_on_single_ranks(world, comm_type):
+    """A sharding that is not dual-chunk: each sequence lives entirely on one rank."""
+    seqlens = (9, 4, 12, 1, 6, 0, 3, 8)
+    segs = [[] for _ in range(world)]
+    for s, n in enumerate(seqlens):
+        segs[s % world].append((s, 0, n))
+    case = AttnCase(seqlens=seqlens, comm_type=comm_type, segments=tuple(tuple(x) for x in segs), hkv=2)
+    check_case(run_on_ranks(world, run_case, case), case)
+
+
+@pytest.mark.parametrize("comm_type", ["p2p", "all_gather"])
+def test_softmax_scale_and_contiguous_balance(comm_type):
+    case = AttnCase(seqlens=SEQLENS, comm_type=comm_type, balance="contiguous", causal=False)
+    check_case(run_on_ranks(4, run_case, case), case)
