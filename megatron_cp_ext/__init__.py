@@ -6,8 +6,18 @@ types over thd, bshd and sbhd layouts.
 """
 
 from .attention import COMM_TYPES, QKV_FORMATS, cp_attention
+from .groups import hierarchical_cp_groups
 from .masks import MaskSpec
 from .sharding import CPSharding, Segment, shard_sequences
 
-__all__ = ["cp_attention", "shard_sequences", "CPSharding", "Segment", "MaskSpec", "COMM_TYPES", "QKV_FORMATS"]
+__all__ = [
+    "cp_attention",
+    "hierarchical_cp_groups",
+    "shard_sequences",
+    "CPSharding",
+    "Segment",
+    "MaskSpec",
+    "COMM_TYPES",
+    "QKV_FORMATS",
+]
 __version__ = "0.1.0"

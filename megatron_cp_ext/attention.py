@@ -22,8 +22,9 @@ import torch.distributed as dist
 from .backends import get_backend
 from .comm import exchange_ints
 from .masks import MaskSpec
-from .schedules import SCHEDULES
+from .schedules import SCHEDULES, a2a
 from .schedules.common import Run
+from .schedules.p2p import RingPlan
 from .sharding import CPSharding, shard_sequences
 
 __all__ = ["cp_attention", "COMM_TYPES", "QKV_FORMATS"]
@@ -77,35 +78,68 @@ def _check_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> _Shapes
     return _Shapes(q.shape[0], q.shape[1], k.shape[1], q.shape[2], v.shape[2], q.dtype)
 
 
-def _group_info(cp_group, comm_type: str) -> tuple[object, int, int]:
-    """(group, size, rank); ``None`` means a single rank with no communication."""
-    if cp_group is None:
+@dataclass(frozen=True)
+class _Groups:
+    """The CP process groups of one call, normalised over comm types."""
+
+    a2a: object
+    """All-to-all group (None: no all-to-all)."""
+    p2p: object
+    """Ring / all-gather group (None: single participant)."""
+    a2a_size: int
+    size: int
+    """Total CP size (a2a size x p2p size)."""
+    rank: int
+    """CP rank = p2p rank * a2a size + a2a rank (Megatron's hierarchical layout)."""
+
+
+def _one_group(g) -> tuple[object, int, int]:
+    if g is None:
         return None, 1, 0
+    if not isinstance(g, dist.ProcessGroup):
+        raise ValueError(f"cp_group entries must be ProcessGroups or None, got {type(g).__name__}")
+    n = dist.get_world_size(g)
+    return (g if n > 1 else None), n, dist.get_rank(g)
+
+
+def _groups(cp_group, comm_type: str) -> _Groups:
+    if comm_type == "a2a+p2p":
+        if not isinstance(cp_group, (list, tuple)) or len(cp_group) != 2:
+            raise ValueError(
+                "cp_group must be [a2a_group, p2p_group] for comm_type='a2a+p2p' (see "
+                f"megatron_cp_ext.hierarchical_cp_groups), got {cp_group!r}"
+            )
+        a2a, na, ra = _one_group(cp_group[0])
+        ring, np_, rp = _one_group(cp_group[1])
+        return _Groups(a2a, ring, na, na * np_, rp * na + ra)
     if isinstance(cp_group, (list, tuple)):
         raise ValueError(f"cp_group must be one ProcessGroup for comm_type={comm_type!r}, got a sequence")
-    return cp_group, dist.get_world_size(cp_group), dist.get_rank(cp_group)
+    g, n, r = _one_group(cp_group)
+    if comm_type == "a2a":
+        return _Groups(g, None, n, n, r)
+    return _Groups(None, g, 1, n, r)
 
 
 def _signature(sharding: CPSharding, shapes: _Shapes, comm_type: str, mask: MaskSpec, rank: int) -> list[int]:
     cu_crc = zlib.crc32(",".join(map(str, sharding.cu_seqlens)).encode())
     seg_crc = zlib.crc32(repr(sharding.segments).encode())
     return [
-        shapes.tokens, sharding.num_tokens(rank), cu_crc, seg_crc, COMM_TYPES.index(comm_type),
+        rank, shapes.tokens, sharding.num_tokens(rank), cu_crc, seg_crc, COMM_TYPES.index(comm_type),
         int(mask.causal), mask.left, mask.right, mask.chunk or 0, _DTYPES.index(shapes.dtype),
         shapes.hq, shapes.hkv, shapes.dqk, shapes.dv,
     ]  # fmt: skip
 
 
-_SIG_NAMES = ("", "", "cu_seqlens", "the sharding", "comm_type", "causal", "window_size", "window_size",
+_SIG_NAMES = ("", "", "", "cu_seqlens", "the sharding", "comm_type", "causal", "window_size", "window_size",
               "chunk_size", "dtype", "q heads", "k/v heads", "qk head_dim", "v head_dim")  # fmt: skip
 
 
 def _check_consistency(sigs: list[list[int]]) -> None:
     """Raise the same error on every rank when any rank's view disagrees."""
-    for r, sig in enumerate(sigs):
-        if sig[0] != sig[1]:
+    for sig in sigs:
+        if sig[1] != sig[2]:
             raise ValueError(
-                f"q on CP rank {r} has {sig[0]} tokens but the sharding gives that rank {sig[1]} "
+                f"q on CP rank {sig[0]} has {sig[1]} tokens but the sharding gives that rank {sig[2]} "
                 "(shard inputs with sharding.shard(x, rank))"
             )
     for i, name in enumerate(_SIG_NAMES):
@@ -113,24 +147,49 @@ def _check_consistency(sigs: list[list[int]]) -> None:
             raise ValueError(f"{name} differs across CP ranks: {[s[i] for s in sigs]}")
 
 
-def _get_run(q, sharding, shapes, group, size, rank, comm_type, mask, backend, scale) -> tuple[Run, ModuleType]:
-    key = (comm_type, mask, id(group), rank, backend, str(q.device))
-    hit = sharding._plans.get(key)
-    if hit is not None:
-        plan = hit
-        if shapes.tokens != sharding.num_tokens(rank):
+def _agree(sig: list[int], groups: _Groups, device: torch.device) -> None:
+    """Compare every rank's view in one exchange per group; all ranks raise together.
+
+    With two groups (a2a+p2p) the second exchange also carries whether the first one failed,
+    so a bad input seen inside one a2a group reaches every rank of the CP group.
+    """
+    err: ValueError | None = None
+    for g in (x for x in (groups.a2a, groups.p2p) if x is not None):
+        sigs = exchange_ints(sig + [int(err is not None)], g, device)
+        if err is None:
+            try:
+                _check_consistency([x[:-1] for x in sigs])
+            except ValueError as e:
+                err = e
+        if err is None and any(x[-1] for x in sigs):
+            err = ValueError("another CP rank rejected its input (see its error); no attention was run")
+    if err is not None:
+        raise err
+
+
+def _build_plan(sharding: CPSharding, groups: _Groups, comm_type: str, mask: MaskSpec):
+    if groups.a2a is None and groups.p2p is None:
+        comm_type = "all_gather"  # a single rank: local attention, no communication
+    if comm_type in ("a2a", "a2a+p2p"):
+        return a2a.build_plan(sharding, groups.a2a_size, groups.rank, mask)
+    segs = list(sharding.segments)
+    return SCHEDULES[comm_type].build_plan(segs, segs, groups.rank, mask)
+
+
+def _get_plan(q, sharding, shapes, groups: _Groups, comm_type, mask):
+    """The cached plan for this micro-batch, built (with the consistency exchange) on first use."""
+    key = (comm_type, mask, id(groups.a2a), id(groups.p2p), groups.rank)
+    plan = sharding._plans.get(key)
+    if plan is not None:
+        if shapes.tokens != sharding.num_tokens(groups.rank):
             raise ValueError(
-                f"q has {shapes.tokens} tokens but the sharding gives CP rank {rank} {sharding.num_tokens(rank)}"
+                f"q has {shapes.tokens} tokens but the sharding gives CP rank {groups.rank} "
+                f"{sharding.num_tokens(groups.rank)}"
             )
-    else:
-        sig = _signature(sharding, shapes, comm_type, mask, rank)
-        sigs = exchange_ints(sig, group, q.device) if group is not None else [sig]
-        _check_consistency(sigs)
-        segs = list(sharding.segments)
-        plan = SCHEDULES[comm_type if group is not None else "all_gather"].build_plan(segs, segs, rank, mask)
-        sharding._plans[key] = plan
-    sched = SCHEDULES[comm_type if group is not None else "all_gather"]
-    return Run(plan=plan, group=group, backend=get_backend(q.device, backend), scale=scale, dk=shapes.dqk), sched
+        return plan
+    _agree(_signature(sharding, shapes, comm_type, mask, groups.rank), groups, q.device)
+    plan = sharding._plans[key] = _build_plan(sharding, groups, comm_type, mask)
+    return plan
 
 
 _SEQ_SHARDINGS: dict[tuple[int, int, int], CPSharding] = {}
@@ -188,20 +247,32 @@ def cp_attention(
         raise ValueError(f"comm_type must be one of {COMM_TYPES}, got {comm_type!r}")
     if qkv_format not in QKV_FORMATS:
         raise ValueError(f"qkv_format must be one of {QKV_FORMATS}, got {qkv_format!r}")
-    if comm_type in ("a2a", "a2a+p2p"):
-        raise NotImplementedError(f"comm_type={comm_type!r} arrives with the a2a/hierarchical work (issue 3)")
     if qkv_format != "thd":
         return _seq_format_attention(q, k, v, locals())
     if not isinstance(sharding, CPSharding):
         raise ValueError("sharding (from shard_sequences) is required for qkv_format='thd'")
     shapes = _check_tensors(q, k, v)
     mask = MaskSpec.make(causal=causal, window_size=window_size, chunk_size=chunk_size)
-    group, size, rank = _group_info(cp_group, comm_type)
-    if size != sharding.cp_size:
-        raise ValueError(f"cp_group has {size} ranks but sharding.cp_size is {sharding.cp_size}")
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(shapes.dqk)
-    run, schedule = _get_run(q, sharding, shapes, group, size, rank, comm_type, mask, backend, scale)
+    groups = _groups(cp_group, comm_type)
+    if groups.size != sharding.cp_size:
+        raise ValueError(f"cp_group has {groups.size} ranks but sharding.cp_size is {sharding.cp_size}")
+    plan = _get_plan(q, sharding, shapes, groups, comm_type, mask)
+    run = Run(
+        plan=plan,
+        group=groups.p2p,
+        backend=get_backend(q.device, backend),
+        scale=softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(shapes.dqk),
+        dk=shapes.dqk,
+    )
+    if isinstance(plan, a2a.A2APlan):
+        rep = a2a.kv_replication(shapes.hq, shapes.hkv, groups.a2a_size)
+        return a2a.attention(q, k, v, run, groups.a2a, groups.p2p, rep, _ring_attention)
+    schedule = SCHEDULES["p2p"] if isinstance(plan, RingPlan) else SCHEDULES["all_gather"]
     return _CPAttention.apply(q, k, v, run, schedule)
+
+
+def _ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, run: Run) -> torch.Tensor:
+    return _CPAttention.apply(q, k, v, run, SCHEDULES["p2p"])
 
 
 def _seq_format_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: dict) -> torch.Tensor:
@@ -215,8 +286,7 @@ def _seq_format_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, arg
     if k.shape[:2] != q.shape[:2] or v.shape[:2] != q.shape[:2]:
         raise ValueError(f"q, k, v batch/sequence dims differ: {q.shape[:2]}, {k.shape[:2]}, {v.shape[:2]}")
     b, s_local = q.shape[:2]
-    _, size, _ = _group_info(args["cp_group"], args["comm_type"])
-    sharding = _fixed_length_sharding(b, s_local, size, fmt)
+    sharding = _fixed_length_sharding(b, s_local, _groups(args["cp_group"], args["comm_type"]).size, fmt)
     thd = [x.reshape(b * s_local, *x.shape[2:]) for x in (q, k, v)]
     kw = {
         n: args[n] for n in ("cp_group", "comm_type", "causal", "window_size", "chunk_size", "softmax_scale", "backend")

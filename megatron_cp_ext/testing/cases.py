@@ -40,6 +40,8 @@ class AttnCase:
     segments: tuple | None = None
     """Explicit per-rank segments (a custom sharding) instead of ``balance``."""
     seed: int = 0
+    a2a_size: int = 0
+    """For ``a2a+p2p``: ranks per a2a group (0: the whole world for ``a2a``)."""
     extra: dict = field(default_factory=dict)
 
     @property
@@ -65,6 +67,19 @@ class AttnCase:
         return q, k, v, dout
 
 
+_HIER_GROUPS: dict[tuple[int, int], list] = {}
+
+
+def cp_group_for(case: AttnCase, world: int):
+    """The world group, or (cached per worker) the hierarchical pair for ``a2a+p2p``."""
+    if case.comm_type != "a2a+p2p":
+        return dist.group.WORLD
+    key = (world, case.a2a_size)
+    if key not in _HIER_GROUPS:  # every rank runs the same cases in order: collective-safe
+        _HIER_GROUPS[key] = mcx.hierarchical_cp_groups(case.a2a_size)
+    return _HIER_GROUPS[key]
+
+
 def run_case(rank: int, world: int, case: AttnCase) -> dict[str, torch.Tensor]:
     """Worker: shard, run forward + backward on this rank, return local results."""
     dtype = getattr(torch, case.dtype)
@@ -72,7 +87,7 @@ def run_case(rank: int, world: int, case: AttnCase) -> dict[str, torch.Tensor]:
     q, k, v, dout = (sharding.shard(x, rank).to(dtype) for x in case.inputs())
     q, k, v = (x.requires_grad_() for x in (q, k, v))
     out = mcx.cp_attention(
-        q, k, v, cp_group=dist.group.WORLD, comm_type=case.comm_type, sharding=sharding,
+        q, k, v, cp_group=cp_group_for(case, world), comm_type=case.comm_type, sharding=sharding,
         causal=case.causal, window_size=case.window_size, chunk_size=case.chunk_size,
     )  # fmt: skip
     out.backward(dout)
