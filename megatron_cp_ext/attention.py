@@ -153,6 +153,9 @@ def _agree(sig: list[int], groups: _Groups, device: torch.device) -> None:
     With two groups (a2a+p2p) the second exchange also carries whether the first one failed,
     so a bad input seen inside one a2a group reaches every rank of the CP group.
     """
+    if groups.a2a is None and groups.p2p is None:
+        _check_consistency([sig])
+        return
     err: ValueError | None = None
     for g in (x for x in (groups.a2a, groups.p2p) if x is not None):
         sigs = exchange_ints(sig + [int(err is not None)], g, device)
