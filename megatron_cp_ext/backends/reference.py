@@ -63,12 +63,50 @@ def _probs(q, k, cu_q, cu_k, causal, window, scale, lse_HN=None):
     return p, lse_HN, ct, groups
 
 
+def _entry_groups(
+    cu_q: torch.Tensor, cu_k: torch.Tensor
+) -> list[tuple[int, int, int, int, torch.Tensor, torch.Tensor]]:
+    """Runs of consecutive entries computed as one dense block.
+
+    A call's entries are block-diagonal; one dense ``[N, M]`` block over all of them wastes
+    work quadratic in the number of entries. Entries are grouped while the dense area stays
+    within twice the useful area (plus a small constant), so both many tiny entries and a few
+    large ones stay cheap. Needs host offsets: on CUDA (debug fallback) it is one group.
+    """
+    if cu_q.device.type != "cpu":
+        return [(0, -1, 0, -1, cu_q, cu_k)]
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    out, start, useful = [], 0, 0
+    for e in range(len(cq) - 1):
+        area = (cq[e + 1] - cq[e]) * (ck[e + 1] - ck[e])
+        if e > start and (cq[e + 1] - cq[start]) * (ck[e + 1] - ck[start]) > 2 * (useful + area) + 4096:
+            out.append(_start_end(cq, ck, start, e))
+            start, useful = e, 0
+        useful += area
+    out.append(_start_end(cq, ck, start, len(cq) - 1))
+    return out
+
+
+def _start_end(cq: list[int], ck: list[int], a: int, b: int):
+    sub_q = torch.tensor([x - cq[a] for x in cq[a : b + 1]], dtype=torch.int64)
+    sub_k = torch.tensor([x - ck[a] for x in ck[a : b + 1]], dtype=torch.int64)
+    return cq[a], cq[b], ck[a], ck[b], sub_q, sub_k
+
+
+def _rows(x: torch.Tensor, a: int, b: int) -> torch.Tensor:
+    return x if b < 0 else x[a:b]
+
+
 def attn_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, scale):
     """``q [N,H,D], k [M,Hk,D], v [M,Hk,Dv] -> (out [N,H,Dv] in q.dtype, lse [N,H] fp32)``."""
     _check(q, k, v, causal, window)
-    p, lse_HN, ct, groups = _probs(q, k, cu_seqlens_q, cu_seqlens_k, causal, window, scale)
-    out = torch.einsum("hnm,mhd->nhd", p, _expand(v, groups).to(ct))
-    return out.to(q.dtype), lse_HN.t().float()
+    outs, lses = [], []
+    for q0, q1, k0, k1, cq, ck in _entry_groups(cu_seqlens_q, cu_seqlens_k):
+        qg, kg, vg = _rows(q, q0, q1), _rows(k, k0, k1), _rows(v, k0, k1)
+        p, lse_HN, ct, groups = _probs(qg, kg, cq, ck, causal, window, scale)
+        outs.append(torch.einsum("hnm,mhd->nhd", p, _expand(vg, groups).to(ct)).to(q.dtype))
+        lses.append(lse_HN.t().float())
+    return torch.cat(outs), torch.cat(lses)
 
 
 def attn_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, scale):
@@ -78,8 +116,17 @@ def attn_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     gradients from different KV blocks simply add up.
     """
     _check(q, k, v, causal, window)
+    grads = []
+    for q0, q1, k0, k1, cq, ck in _entry_groups(cu_seqlens_q, cu_seqlens_k):
+        qd, qq, qo, ql = (_rows(x, q0, q1) for x in (dout, q, out, lse))
+        kk, kv = _rows(k, k0, k1), _rows(v, k0, k1)
+        grads.append(_bwd_dense(qd, qq, kk, kv, qo, ql, cq, ck, causal, window, scale))
+    return tuple(torch.cat([g[i] for g in grads]) for i in range(3))
+
+
+def _bwd_dense(dout, q, k, v, out, lse, cu_q, cu_k, causal, window, scale):
     lse_HN = lse.t().to(torch.float64 if q.dtype == torch.float64 else torch.float32)
-    p, _, ct, groups = _probs(q, k, cu_seqlens_q, cu_seqlens_k, causal, window, scale, lse_HN)
+    p, _, ct, groups = _probs(q, k, cu_q, cu_k, causal, window, scale, lse_HN)
     do = dout.to(ct)
     dv = torch.einsum("hnm,nhd->mhd", p, do)
     dp = torch.einsum("nhd,mhd->hnm", do, _expand(v, groups).to(ct))
