@@ -27,6 +27,8 @@ setup(
     extras_require={
         "test": ["pytest>=7", "ruff"],
         "megatron": ["megatron-core==0.16.1"],
+        # nemo_run 0.11.1 fails to import with newer leptonai releases
+        "nemo": ["nemo_run==0.11.1", "leptonai==0.27.3"],
         "gpu": ["flash-attn"],
     },
     ext_modules=ext_modules,

@@ -1,4 +1,4 @@
-"""Run cp_attention on CPU ranks over gloo for every comm type; print error and time per call.
+"""Run cp_attention on CPU ranks over gloo (p2p, all_gather, a2a); print error and time per call.
 
     python examples/cp_attention_demo.py                 # spawns 4 ranks itself
     torchrun --nproc-per-node 4 examples/cp_attention_demo.py
@@ -21,7 +21,7 @@ import megatron_cp_ext as mcx
 from megatron_cp_ext.comm import all_gather_padded
 from megatron_cp_ext.testing.reference import dense_attention
 
-COMM_TYPES = ["p2p", "all_gather"]
+COMM_TYPES = ["p2p", "all_gather", "a2a"]
 
 
 def _bench(rank: int, world: int, args: argparse.Namespace) -> None:

@@ -103,6 +103,8 @@ def _one_group(g) -> tuple[object, int, int]:
 
 
 def _groups(cp_group, comm_type: str) -> _Groups:
+    if cp_group is None:  # CP size 1 for every comm type: local attention
+        return _Groups(None, None, 1, 1, 0)
     if comm_type == "a2a+p2p":
         if not isinstance(cp_group, (list, tuple)) or len(cp_group) != 2:
             raise ValueError(
@@ -201,7 +203,7 @@ _SEQ_SHARDINGS: dict[tuple[int, int, int], CPSharding] = {}
 def _fixed_length_sharding(b: int, s_local: int, cp: int, qkv_format: str) -> CPSharding:
     """The dual-chunk sharding Megatron uses for bshd/sbhd (cached: it never changes)."""
     s = s_local * cp
-    if s % (2 * cp):
+    if cp > 1 and s % (2 * cp):
         raise ValueError(
             f"{qkv_format} needs the global sequence length ({s_local} local x cp {cp} = {s}) "
             f"divisible by 2*cp = {2 * cp}"

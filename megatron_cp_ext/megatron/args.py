@@ -1,0 +1,108 @@
+"""Command-line options for Megatron training scripts (plain ``argparse``; no megatron-core needed).
+
+:func:`add_arguments` adds only what Megatron lacks and fits Megatron-LM's
+``parse_args(extra_args_provider=add_arguments)``; the CP size, comm type(s), hierarchical
+sizes and window come from Megatron's own ``--context-parallel-size``, ``--cp-comm-type``,
+``--hierarchical-context-parallel-sizes`` and ``--window-size``. Scripts built on
+megatron-core alone (no Megatron-LM ``megatron.training``) get those four from
+:func:`add_megatron_cp_arguments`, with Megatron-LM's names and meanings.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+__all__ = [
+    "add_arguments",
+    "add_megatron_cp_arguments",
+    "cp_attention_options_from_args",
+    "cp_comm_type_from_args",
+    "parse_window",
+]
+
+_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
+_BALANCES = ("dualchunk", "contiguous")
+_BACKENDS = ("auto", "reference", "flash")
+
+
+def _has_option(parser: argparse.ArgumentParser, flag: str) -> bool:
+    return flag in parser._option_string_actions  # noqa: SLF001 - argparse has no public query
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add megatron_cp_ext's own options; returns ``parser`` (Megatron's extra-args convention)."""
+    group = parser.add_argument_group("context parallelism (megatron_cp_ext)")
+    group.add_argument(
+        "--cp-load-balance",
+        choices=_BALANCES,
+        default="dualchunk",
+        help="how packed (THD) sequences are split across CP ranks: dualchunk (causal-balanced, "
+        "any lengths) or contiguous (for windowed attention)",
+    )
+    group.add_argument(
+        "--cp-attention-backend",
+        choices=_BACKENDS,
+        default="auto",
+        help="local attention kernels: auto (flash on CUDA, exact reference on CPU), reference, flash",
+    )
+    group.add_argument(
+        "--cp-attention-chunk-size",
+        type=int,
+        default=None,
+        help="chunked attention: tokens attend only within aligned chunks of this many positions",
+    )
+    return parser
+
+
+def parse_window(text: str) -> tuple[int, int]:
+    """``"LEFT,RIGHT"`` -> ``(left, right)``; -1 means unbounded (Megatron's convention)."""
+    parts = text.replace("(", "").replace(")", "").split(",")
+    if len(parts) != 2:
+        raise argparse.ArgumentTypeError(f"window size must be LEFT,RIGHT (e.g. 128,0), got {text!r}")
+    return int(parts[0]), int(parts[1])
+
+
+def add_megatron_cp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Megatron-LM's CP flags for scripts without ``megatron.training`` (skips ones already present)."""
+    group = parser.add_argument_group("context parallelism (Megatron-LM flags)")
+    if not _has_option(parser, "--context-parallel-size"):
+        group.add_argument("--context-parallel-size", type=int, default=1, help="degree of context parallelism")
+    if not _has_option(parser, "--cp-comm-type"):
+        group.add_argument(
+            "--cp-comm-type",
+            nargs="+",
+            choices=_COMM_TYPES,
+            default=["p2p"],
+            help="one comm type for all layers, or one per layer",
+        )
+    if not _has_option(parser, "--hierarchical-context-parallel-sizes"):
+        group.add_argument(
+            "--hierarchical-context-parallel-sizes",
+            nargs="+",
+            type=int,
+            default=None,
+            help="[a2a, p2p] group sizes for cp_comm_type a2a+p2p (product = CP size)",
+        )
+    if not _has_option(parser, "--window-size"):
+        group.add_argument(
+            "--window-size", type=parse_window, default=None, help="sliding window LEFT,RIGHT (-1 = unbounded)"
+        )
+    return parser
+
+
+def cp_comm_type_from_args(args: argparse.Namespace) -> str | list[str]:
+    """Megatron-LM's rule: one value applies to all layers, several are per layer."""
+    values = list(args.cp_comm_type)
+    return values[0] if len(values) == 1 else values
+
+
+def cp_attention_options_from_args(args: argparse.Namespace) -> Any:
+    """A :class:`~.core_attention.CPAttentionOptions` from parsed arguments (needs megatron-core)."""
+    from .core_attention import CPAttentionOptions
+
+    return CPAttentionOptions(
+        load_balance=getattr(args, "cp_load_balance", "dualchunk"),
+        backend=getattr(args, "cp_attention_backend", "auto"),
+        chunk_size=getattr(args, "cp_attention_chunk_size", None),
+    )

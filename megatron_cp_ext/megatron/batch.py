@@ -1,0 +1,217 @@
+"""Split a training batch across CP ranks and carry one sharding per micro-batch.
+
+Megatron hands every layer the same :class:`PackedSeqParams` object for a micro-batch. We
+hang a :class:`CPBatchContext` on it (the :class:`~megatron_cp_ext.CPSharding`, which also
+caches the attention plans, and this rank's token positions per device), so all layers, the
+RoPE of every layer and the backward share one plan built once on the host.
+
+Two ways in:
+
+* :func:`make_packed_seq_params` from host ``cu_seqlens`` - no device sync at all;
+* a plain Megatron ``PackedSeqParams`` (global ``cu_seqlens_q/kv``, as Megatron builds them
+  for TransformerEngine, on either device) - the context is derived on first use and cached
+  on the object; a device ``cu_seqlens`` costs one copy to the host per micro-batch, never
+  one per layer.
+
+Shape legend: ``T`` global tokens, ``t`` this rank's tokens, ``b`` batch, ``s`` sequence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core.packed_seq_params import PackedSeqParams
+
+from ..sharding import CPSharding, shard_sequences
+
+__all__ = [
+    "CPBatchContext",
+    "cp_context",
+    "get_batch_on_this_cp_rank",
+    "make_packed_seq_params",
+    "zigzag_positions",
+]
+
+_CONTEXT_ATTR = "_mcx_cp_context"
+
+
+@dataclass(eq=False)
+class CPBatchContext:
+    """What one micro-batch's attention layers share on one CP rank."""
+
+    sharding: CPSharding
+    """Token -> rank assignment; also the engine's plan cache for this micro-batch."""
+    rank: int
+    """This rank's index in the CP group."""
+    source: Any = None
+    """The ``cu_seqlens`` tensor the context was derived from (detects a reused params object)."""
+    _positions: dict = field(default_factory=dict, repr=False)
+
+    def positions(self, device: torch.device | str) -> torch.Tensor:
+        """Position inside its sequence of every local token, on ``device`` (uploaded once)."""
+        device = torch.device(device)
+        pos = self._positions.get(device)
+        if pos is None:
+            pos = self.sharding.positions(self.rank).to(device, non_blocking=True)
+            self._positions[device] = pos
+        return pos
+
+
+def _group_size_rank(cp_group: dist.ProcessGroup | None) -> tuple[int, int]:
+    if cp_group is None:
+        return 1, 0
+    return dist.get_world_size(cp_group), dist.get_rank(cp_group)
+
+
+def _default_cp_group() -> dist.ProcessGroup | None:
+    """Megatron's CP group when parallel_state is set up, else ``None`` (CP size 1)."""
+    from megatron.core import parallel_state
+
+    return parallel_state.get_context_parallel_group(check_initialized=False)
+
+
+def make_packed_seq_params(
+    cu_seqlens: torch.Tensor | Sequence[int],
+    *,
+    cp_group: dist.ProcessGroup | None = None,
+    balance: str = "dualchunk",
+    device: torch.device | str | None = None,
+) -> PackedSeqParams:
+    """A THD ``PackedSeqParams`` for one micro-batch, with the CP plan cache attached.
+
+    ``cu_seqlens`` are the *global* prefix sums on the host. The returned object carries
+    global ``cu_seqlens_q/kv`` (int32 on ``device``) exactly as Megatron expects, plus the
+    sharding, so every layer reuses one plan and nothing syncs with the device.
+    """
+    cu_cpu = torch.as_tensor(cu_seqlens, dtype=torch.int64, device="cpu")
+    size, rank = _group_size_rank(cp_group)
+    sharding = shard_sequences(cu_cpu, size, balance=balance)
+    cu_dev = cu_cpu.to(torch.int32).to(device or "cpu", non_blocking=True)
+    lengths = cu_cpu[1:] - cu_cpu[:-1]
+    max_len = int(lengths.max()) if lengths.numel() else 0
+    params = PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu_dev,
+        cu_seqlens_kv=cu_dev,
+        max_seqlen_q=max_len,
+        max_seqlen_kv=max_len,
+        cp_group=cp_group,
+    )
+    setattr(params, _CONTEXT_ATTR, CPBatchContext(sharding=sharding, rank=rank, source=cu_dev))
+    return params
+
+
+def _layout_cu_seqlens(params: PackedSeqParams) -> torch.Tensor:
+    """The ``cu_seqlens`` describing where tokens sit (padded ones when Megatron padded)."""
+    cu_q = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
+    cu_kv = params.cu_seqlens_kv_padded if params.cu_seqlens_kv_padded is not None else params.cu_seqlens_kv
+    if cu_q is None:
+        raise ValueError("PackedSeqParams for qkv_format='thd' needs cu_seqlens_q")
+    if cu_kv is not None and cu_kv is not cu_q and not torch.equal(cu_kv.cpu(), cu_q.cpu()):
+        raise ValueError("CP self-attention needs cu_seqlens_kv == cu_seqlens_q (same packed batch)")
+    return cu_q
+
+
+def cp_context(params: PackedSeqParams, cp_size: int, cp_rank: int, balance: str = "dualchunk") -> CPBatchContext:
+    """The micro-batch's :class:`CPBatchContext`, derived once and cached on ``params``."""
+    cu = _layout_cu_seqlens(params)
+    ctx = getattr(params, _CONTEXT_ATTR, None)
+    if ctx is not None and ctx.source is cu:
+        if ctx.sharding.cp_size != cp_size or ctx.rank != cp_rank:
+            raise ValueError(
+                f"PackedSeqParams was built for CP size {ctx.sharding.cp_size} rank {ctx.rank}, "
+                f"used by a layer at CP size {cp_size} rank {cp_rank}"
+            )
+        return ctx
+    # One host copy per micro-batch (a sync if cu lives on the GPU); never per layer.
+    sharding = shard_sequences(cu.detach().to("cpu", torch.int64), cp_size, balance=balance)
+    ctx = CPBatchContext(sharding=sharding, rank=cp_rank, source=cu)
+    setattr(params, _CONTEXT_ATTR, ctx)
+    return ctx
+
+
+def zigzag_positions(s_local: int, cp_size: int, rank: int) -> torch.Tensor:
+    """Global positions of the ``s_local`` tokens rank ``rank`` holds under Megatron's split.
+
+    The sequence is cut into ``2*cp`` equal chunks; rank r holds chunks r and 2cp-1-r.
+    """
+    if cp_size == 1:
+        return torch.arange(s_local)
+    s = s_local * cp_size
+    if s % (2 * cp_size):
+        raise ValueError(f"sequence length {s} must be divisible by 2*cp = {2 * cp_size} for bshd/sbhd CP")
+    c = s // (2 * cp_size)
+    first = torch.arange(rank * c, (rank + 1) * c)
+    second = torch.arange((2 * cp_size - 1 - rank) * c, (2 * cp_size - rank) * c)
+    return torch.cat([first, second])
+
+
+def _shard_thd(batch: dict, cu_seqlens, cp_group, balance: str) -> dict:
+    size, rank = _group_size_rank(cp_group)
+    sample = next((v for v in batch.values() if isinstance(v, torch.Tensor) and v.dim() >= 2), None)
+    device = sample.device if sample is not None else None
+    params = make_packed_seq_params(cu_seqlens, cp_group=cp_group, balance=balance, device=device)
+    ctx: CPBatchContext = getattr(params, _CONTEXT_ATTR)
+    total = ctx.sharding.total_tokens
+    out: dict = {}
+    for key, val in batch.items():
+        if key == "attention_mask":
+            out[key] = None  # THD attention is defined by cu_seqlens, not by a dense mask
+        elif isinstance(val, torch.Tensor) and val.dim() >= 2 and val.shape[1] == total:
+            out[key] = ctx.sharding.shard(val, rank, dim=1)
+        else:
+            out[key] = val
+    if out.get("position_ids") is None:
+        # True in-sequence positions; the embedding and RoPE need them, not 0..t-1.
+        out["position_ids"] = ctx.positions(device or "cpu").unsqueeze(0)
+    out["packed_seq_params"] = params
+    return out
+
+
+def _shard_zigzag(batch: dict, cp_group) -> dict:
+    size, rank = _group_size_rank(cp_group)
+    if size == 1:
+        return dict(batch)
+    out: dict = {}
+    for key, val in batch.items():
+        if not isinstance(val, torch.Tensor) or val.dim() < 2:
+            out[key] = val
+            continue
+        seq_dim = 2 if key == "attention_mask" else 1
+        s = val.shape[seq_dim]
+        if s % (2 * size):
+            raise ValueError(f"batch[{key!r}] has sequence length {s}, not divisible by 2*cp = {2 * size}")
+        idx = zigzag_positions(s // size, size, rank).to(val.device, non_blocking=True)
+        # For a [b, 1, s, s] mask only the query dim is split; keys stay global (as Megatron).
+        out[key] = val.index_select(seq_dim, idx)
+    return out
+
+
+def get_batch_on_this_cp_rank(
+    batch: dict,
+    cu_seqlens: torch.Tensor | Sequence[int] | None = None,
+    cp_group: dist.ProcessGroup | None = None,
+    *,
+    balance: str = "dualchunk",
+) -> dict:
+    """This CP rank's part of a batch (a new dict; the input is not modified).
+
+    THD (``cu_seqlens`` given, global host prefix sums): tensors ``[1, T, ...]`` whose dim 1
+    spans the packed batch (tokens, labels, loss_mask, position_ids) are sharded with
+    :func:`~megatron_cp_ext.shard_sequences`; ``position_ids`` keep their global values (each
+    token's true position in its sequence, created when absent) so RoPE stays right;
+    ``attention_mask`` becomes ``None``; ``packed_seq_params`` is added (built by
+    :func:`make_packed_seq_params`, carrying the plan cache). bshd (no ``cu_seqlens``):
+    Megatron's dual-chunk split of dim 1 (dim 2 for ``attention_mask``), ``s % 2cp == 0``.
+
+    ``cp_group`` defaults to Megatron's CP group (``parallel_state``), or CP size 1.
+    """
+    if cp_group is None:
+        cp_group = _default_cp_group()
+    if cu_seqlens is not None:
+        return _shard_thd(batch, cu_seqlens, cp_group, balance)
+    return _shard_zigzag(batch, cp_group)

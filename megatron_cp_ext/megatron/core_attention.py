@@ -1,0 +1,242 @@
+"""``CPCoreAttention``: Megatron's core-attention slot, filled by :func:`megatron_cp_ext.cp_attention`.
+
+Megatron's ``Attention`` builds its ``core_attention`` submodule as
+``core_attention(config=, layer_number=, attn_mask_type=, attention_type=, cp_comm_type=,
+softmax_scale=, pg_collection=)`` and calls it as ``(query, key, value, attention_mask, *,
+attn_mask_type, attention_bias, packed_seq_params)`` with sbhd ``[s, b, h, d]`` or, for
+packed sequences, thd ``[t, h, d]``. Everything decidable at construction (comm type of this
+layer, groups, window, chunking, unsupported options) is decided there, so forward is only
+"find the micro-batch's sharding, call the engine".
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.utils import is_layer_window_attention
+
+from .. import COMM_TYPES, cp_attention
+from ..backends import BACKENDS
+from ..sharding import BALANCES
+from .batch import cp_context
+
+__all__ = ["CPAttentionOptions", "CPCoreAttention", "hierarchical_groups_from_sizes", "resolve_cp_comm_type"]
+
+_MASK_CAUSAL = {AttnMaskType.causal: True, AttnMaskType.no_mask: False}
+_MASK_PADDED = {AttnMaskType.padding_causal: True, AttnMaskType.padding: False}
+
+
+@dataclass(frozen=True, kw_only=True)
+class CPAttentionOptions:
+    """Options Megatron's config has no field for (see :mod:`.args` for the CLI flags)."""
+
+    load_balance: str = "dualchunk"
+    """THD token -> rank assignment for ``PackedSeqParams`` without a sharding attached."""
+    backend: str = "auto"
+    """Local attention kernels: ``auto`` (flash on CUDA, exact reference on CPU) | ``reference`` | ``flash``."""
+    chunk_size: int | None = None
+    """Chunked attention (attend only within ``[n*c, (n+1)*c)``); ``None`` falls back to
+    ``config.attention_chunk_size`` when the config has one."""
+
+    def __post_init__(self) -> None:
+        if self.load_balance not in BALANCES:
+            raise ValueError(f"load_balance must be one of {BALANCES}, got {self.load_balance!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.chunk_size is not None and self.chunk_size < 1:
+            raise ValueError(f"chunk_size must be a positive int or None, got {self.chunk_size!r}")
+
+
+def resolve_cp_comm_type(cp_comm_type: str | None, config: TransformerConfig, layer_number: int) -> str:
+    """This layer's comm type: the explicit argument, else ``config.cp_comm_type`` (a string,
+    or a per-layer list indexed by the 1-based global ``layer_number``), else ``p2p``."""
+    choice: Any = cp_comm_type if cp_comm_type is not None else config.cp_comm_type
+    if isinstance(choice, (list, tuple)):
+        if not 1 <= layer_number <= len(choice):
+            raise ValueError(f"cp_comm_type lists {len(choice)} layers; layer {layer_number} has no entry")
+        choice = choice[layer_number - 1]
+    choice = "p2p" if choice is None else choice
+    if choice not in COMM_TYPES:
+        raise ValueError(f"cp_comm_type must be one of {COMM_TYPES} (or a per-layer list of them), got {choice!r}")
+    return choice
+
+
+_HCP_CACHE: dict[tuple, list[dist.ProcessGroup]] = {}
+
+
+def hierarchical_groups_from_sizes(cp_group: dist.ProcessGroup, sizes: Sequence[int]) -> list[dist.ProcessGroup]:
+    """``[a2a_group, p2p_group]`` for ``cp_group`` split as ``sizes = [a2a, p2p]``.
+
+    For launchers that set ``hierarchical_context_parallel_sizes`` on the model config but do
+    not create Megatron's hierarchical groups (NeMo 2). Collective over the default group
+    (every rank builds the same layers in the same order); created once and cached. a2a
+    groups are consecutive CP ranks: CP rank = p2p_rank * a2a + a2a_rank, as in Megatron.
+    """
+    ranks = tuple(dist.get_process_group_ranks(cp_group))
+    sizes = tuple(int(x) for x in sizes)
+    if len(sizes) != 2 or sizes[0] * sizes[1] != len(ranks):
+        raise ValueError(f"hierarchical CP sizes must be [a2a, p2p] with product {len(ranks)}, got {list(sizes)}")
+    key = (ranks, sizes)
+    if key not in _HCP_CACHE:
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, ranks)
+        a2a = sizes[0]
+        for group_ranks in sorted(set(everyone)):
+            levels = (
+                [list(group_ranks[i : i + a2a]) for i in range(0, len(group_ranks), a2a)],
+                [list(group_ranks[j::a2a]) for j in range(a2a)],
+            )
+            mine: list = [None, None]
+            for level, subgroups in enumerate(levels):
+                for sub in subgroups:
+                    g = dist.new_group(sub)
+                    if dist.get_rank() in sub:
+                        mine[level] = g
+            if group_ranks == ranks:
+                _HCP_CACHE[key] = mine
+    return _HCP_CACHE[key]
+
+
+def _hierarchical_groups(config: TransformerConfig, pg: ProcessGroupCollection, cp_group) -> list:
+    groups = getattr(pg, "hcp", None) or parallel_state.get_hierarchical_context_parallel_groups(
+        check_initialized=False
+    )
+    if groups:
+        if len(groups) != 2:
+            raise ValueError(f"cp_comm_type 'a2a+p2p' supports two levels [a2a, p2p]; got {len(groups)} groups")
+        return list(groups)
+    sizes = getattr(config, "hierarchical_context_parallel_sizes", None)
+    if sizes:
+        return hierarchical_groups_from_sizes(cp_group, sizes)
+    raise ValueError(
+        "cp_comm_type 'a2a+p2p' needs hierarchical CP groups: set hierarchical_context_parallel_sizes "
+        "(--hierarchical-context-parallel-sizes A2A P2P, product = context_parallel_size) so Megatron "
+        "creates them, or pass pg_collection.hcp; refusing to fall back to another comm type"
+    )
+
+
+class CPCoreAttention(MegatronModule):
+    """Megatron core attention running :func:`megatron_cp_ext.cp_attention`.
+
+    Works at CP size 1 (plain local attention through the same backends) and for every comm
+    type at CP > 1, for thd (with ``packed_seq_params``) and sbhd inputs, GQA included.
+    Raises at construction for what it cannot honour: attention dropout > 0, non-vanilla
+    softmax, cross attention, arbitrary masks, a2a+p2p without hierarchical groups.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str = "self",
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection: ProcessGroupCollection | None = None,
+        *,
+        options: CPAttentionOptions | None = None,
+        **unused: Any,
+    ) -> None:
+        super().__init__(config=config)
+        self.options = options or CPAttentionOptions()
+        self.layer_number = max(1, layer_number)
+        self._check_supported(config, attn_mask_type, attention_type, attention_dropout)
+        self.attn_mask_type = attn_mask_type
+        if pg_collection is None:
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
+        cp_group = getattr(pg_collection, "cp", None)
+        self.cp_size = dist.get_world_size(cp_group) if cp_group is not None else 1
+        self.cp_rank = dist.get_rank(cp_group) if cp_group is not None else 0
+        if config.context_parallel_size > 1 and self.cp_size != config.context_parallel_size:
+            raise ValueError(
+                f"config.context_parallel_size={config.context_parallel_size} but the CP group has {self.cp_size} ranks"
+            )
+        self.cp_comm_type = resolve_cp_comm_type(cp_comm_type, config, self.layer_number)
+        self.comm_group: Any = None
+        if self.cp_size > 1:
+            use_hcp = self.cp_comm_type == "a2a+p2p"
+            self.comm_group = _hierarchical_groups(config, pg_collection, cp_group) if use_hcp else cp_group
+        window = config.window_size
+        use_window = is_layer_window_attention(window, config.window_attn_skip_freq, self.layer_number)
+        self.window_size = tuple(int(w) for w in window) if use_window else (-1, -1)
+        self.chunk_size = self.options.chunk_size or getattr(config, "attention_chunk_size", None)
+        self.softmax_scale = softmax_scale
+        self._engine_kwargs = {"backend": self.options.backend} if self.options.backend != "auto" else {}
+        if self._engine_kwargs and "backend" not in inspect.signature(cp_attention).parameters:
+            raise ValueError("this megatron_cp_ext engine has no backend selection; use backend='auto'")
+
+    @staticmethod
+    def _check_supported(config, attn_mask_type, attention_type, attention_dropout) -> None:
+        dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        if dropout:
+            raise ValueError(
+                f"CPCoreAttention does not implement attention dropout (got {dropout}); set attention_dropout=0.0"
+            )
+        if config.softmax_type != "vanilla":
+            raise ValueError(f"CPCoreAttention supports softmax_type='vanilla' only, got {config.softmax_type!r}")
+        if attention_type != "self":
+            raise ValueError(f"CPCoreAttention supports self attention only, got attention_type={attention_type!r}")
+        if attn_mask_type not in _MASK_CAUSAL and attn_mask_type not in _MASK_PADDED:
+            raise ValueError(
+                f"CPCoreAttention supports attn_mask_type causal/no_mask (and padding[_causal] for thd), "
+                f"got {attn_mask_type}"
+            )
+
+    def _causal(self, attn_mask_type: AttnMaskType | None, thd: bool, attention_mask) -> bool:
+        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        if mask_type in _MASK_CAUSAL:
+            return _MASK_CAUSAL[mask_type]
+        if mask_type in _MASK_PADDED and (thd or attention_mask is None):
+            return _MASK_PADDED[mask_type]  # in THD, padding is expressed by cu_seqlens
+        raise ValueError(f"attn_mask_type {mask_type} with a dense attention_mask is not supported (use thd)")
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        attn_mask_type: AttnMaskType | None = None,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params: PackedSeqParams | None = None,
+    ) -> torch.Tensor:
+        """thd ``[t, h, d] -> [t, h*dv]``; sbhd ``[s, b, h, d] -> [s, b, h*dv]``.
+
+        For causal/no-mask types a dense ``attention_mask`` is ignored: the mask is defined by
+        positions (and ``cu_seqlens`` for thd), which is what such a tensor encodes.
+        """
+        if attention_bias is not None:
+            raise ValueError("CPCoreAttention does not support attention_bias")
+        thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
+        kwargs = dict(
+            cp_group=self.comm_group,
+            # At CP size 1 nothing moves; any comm type is plain local attention.
+            comm_type=self.cp_comm_type if self.cp_size > 1 else "p2p",
+            causal=self._causal(attn_mask_type, thd, attention_mask),
+            window_size=self.window_size,
+            chunk_size=self.chunk_size,
+            softmax_scale=self.softmax_scale,
+            **self._engine_kwargs,
+        )
+        if thd:
+            if packed_seq_params.cu_seqlens_q_padded is not None and not kwargs["causal"]:
+                # Padded layouts put pad tokens at each sequence's end; only a causal mask
+                # keeps real tokens from seeing them.
+                raise ValueError("padded cu_seqlens (cu_seqlens_q_padded) are supported with causal masks only")
+            ctx = cp_context(packed_seq_params, self.cp_size, self.cp_rank, self.options.load_balance)
+            out = cp_attention(query, key, value, qkv_format="thd", sharding=ctx.sharding, **kwargs)
+            return out.reshape(out.shape[0], -1)
+        out = cp_attention(query, key, value, qkv_format="sbhd", **kwargs)
+        return out.reshape(out.shape[0], out.shape[1], -1)

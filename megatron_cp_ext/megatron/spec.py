@@ -1,0 +1,189 @@
+"""A GPT ``TransformerLayer`` spec with CP attention, RoPE at true positions, local modules.
+
+:func:`get_gpt_layer_cp_spec` starts from Megatron's own local (non-TransformerEngine) GPT
+spec and swaps three things:
+
+* ``core_attention`` -> :class:`~.core_attention.CPCoreAttention`;
+* ``SelfAttention`` -> :class:`CPSelfAttention`, which rotates q and k by each token's true
+  position in its sequence (from the micro-batch's plan, sync-free) instead of Megatron's
+  THD RoPE, which assumes TransformerEngine's padded per-rank layout and syncs every layer;
+* ``TransformerLayer`` -> :class:`CPTransformerLayer`, which reads a per-layer
+  ``cp_comm_type`` list with the 1-based global layer number. megatron-core 0.16 indexes
+  the list with ``layer_number`` directly, which is off by one and raises ``IndexError``
+  for the last layer.
+
+Use it as ``GPTModel(config, transformer_layer_spec=get_gpt_layer_cp_spec(), ...)``; on CPU
+also call :func:`~.rope.install_cp_rope` on the model.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import inspect
+from typing import Any
+
+import torch
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import TransformerLayer, get_transformer_layer_offset
+from megatron.core.utils import get_pg_rank
+
+from .batch import cp_context
+from .core_attention import CPAttentionOptions, CPCoreAttention
+from .rope import apply_rope_at_positions, local_rope_freqs
+
+try:  # yarn's attention scaling, as Megatron's Attention.forward applies it
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
+        _yarn_get_concentration_factor_from_config as _rope_mscale,
+    )
+except ImportError:  # pragma: no cover - older/newer megatron-core
+
+    def _rope_mscale(config: TransformerConfig) -> float:
+        return 1.0
+
+
+_FORWARD_SIGNATURE = inspect.signature(SelfAttention.forward)
+
+__all__ = ["CPSelfAttention", "CPTransformerLayer", "get_gpt_layer_cp_spec", "cp_layer_spec"]
+
+
+class CPSelfAttention(SelfAttention):
+    """Megatron ``SelfAttention`` that applies RoPE at each local token's true position.
+
+    Megatron's ``rotary_pos_emb`` is read as a table indexed by position (the full table
+    from :class:`~.rope.CPRotaryEmbedding` or from Megatron's THD path; for sbhd a table
+    already sliced to this rank is used as is). The per-token angles are computed once per
+    forward and applied right after the q/k projections (and q/k layernorm), where Megatron
+    would apply them; Megatron's own RoPE step is then skipped.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.config.fused_single_qkv_rope:
+            raise ValueError("CPSelfAttention does not support fused_single_qkv_rope (TransformerEngine-only)")
+        self._rope_freqs: torch.Tensor | None = None
+
+    def _local_freqs(self, rotary_pos_emb, hidden_states: torch.Tensor, packed_seq_params) -> torch.Tensor | None:
+        if rotary_pos_emb is None:
+            return None
+        no_rope = self.config.no_rope_freq
+        if no_rope and no_rope[self.layer_number - 1]:
+            return None
+        if isinstance(rotary_pos_emb, tuple):
+            if rotary_pos_emb[0] is not rotary_pos_emb[1]:
+                raise ValueError("CPSelfAttention needs one RoPE table for q and k (self attention)")
+            rotary_pos_emb = rotary_pos_emb[0]
+        cp = self.pg_collection.cp
+        cp_size, cp_rank = (cp.size(), cp.rank()) if cp is not None else (1, 0)
+        positions = None
+        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+            balance = getattr(self.core_attention, "options", CPAttentionOptions()).load_balance
+            ctx = cp_context(packed_seq_params, cp_size, cp_rank, balance)
+            positions = ctx.positions(rotary_pos_emb.device)
+        s_local = hidden_states.shape[0]
+        return local_rope_freqs(rotary_pos_emb, positions=positions, s_local=s_local, cp_size=cp_size, cp_rank=cp_rank)
+
+    def forward(self, hidden_states, attention_mask, *args: Any, **kwargs: Any):
+        """Megatron's forward with RoPE moved to true positions (training/prefill only)."""
+        bound = _FORWARD_SIGNATURE.bind(self, hidden_states, attention_mask, *args, **kwargs)
+        call = dict(bound.arguments)
+        call.pop("self")
+        if call.get("inference_context") is not None or call.get("inference_params") is not None:
+            raise ValueError("CPSelfAttention is for training; run inference with Megatron's own attention")
+        self._rope_freqs = self._local_freqs(call.get("rotary_pos_emb"), hidden_states, call.get("packed_seq_params"))
+        call["rotary_pos_emb"] = None
+        try:
+            return super().forward(**call)
+        finally:
+            self._rope_freqs = None
+
+    def get_query_key_value_tensors(self, hidden_states, key_value_states=None, *args: Any, **kwargs: Any):
+        """Megatron's q/k/v projections, then RoPE on q and k at true positions."""
+        out = super().get_query_key_value_tensors(hidden_states, key_value_states, *args, **kwargs)
+        freqs = self._rope_freqs
+        if freqs is None:
+            return out
+        query, key, *rest = out
+        mscale = _rope_mscale(self.config)
+        query = apply_rope_at_positions(query, freqs, self.config, mscale=mscale, cp_group=self.pg_collection.cp)
+        key = apply_rope_at_positions(key, freqs, self.config, mscale=mscale, cp_group=self.pg_collection.cp)
+        return (query, key, *rest)
+
+
+def _layer_config(config: TransformerConfig, layer_number: int, vp_stage, pg_collection) -> TransformerConfig:
+    """A shallow config copy whose ``cp_comm_type`` is this layer's string (see module doc)."""
+    pp_rank = get_pg_rank(pg_collection.pp) if pg_collection is not None and hasattr(pg_collection, "pp") else None
+    global_layer = layer_number + get_transformer_layer_offset(config, vp_stage, pp_rank)
+    comm_types = config.cp_comm_type
+    if not 1 <= global_layer <= len(comm_types):
+        raise ValueError(f"cp_comm_type lists {len(comm_types)} layers; layer {global_layer} has no entry")
+    layer_config = copy.copy(config)
+    layer_config.cp_comm_type = comm_types[global_layer - 1]
+    return layer_config
+
+
+class CPTransformerLayer(TransformerLayer):
+    """Megatron ``TransformerLayer`` that honours a per-layer ``cp_comm_type`` list correctly."""
+
+    def __init__(self, config: TransformerConfig, submodules, layer_number: int = 1, *args: Any, **kwargs: Any):
+        if isinstance(config.cp_comm_type, (list, tuple)):
+            vp_stage = kwargs.get("vp_stage", args[2] if len(args) > 2 else None)
+            pg_collection = kwargs.get("pg_collection", args[1] if len(args) > 1 else None)
+            config = _layer_config(config, layer_number, vp_stage, pg_collection)
+        super().__init__(config, submodules, layer_number, *args, **kwargs)
+
+
+def get_gpt_layer_cp_spec(
+    *,
+    qk_layernorm: bool = False,
+    normalization: str | None = None,
+    qk_l2_norm: bool = False,
+    num_experts: int | None = None,
+    moe_grouped_gemm: bool = False,
+    options: CPAttentionOptions | None = None,
+) -> ModuleSpec:
+    """``ModuleSpec`` of a GPT ``TransformerLayer`` with CP attention (local, non-TE modules).
+
+    Args mirror ``get_gpt_layer_local_spec``; ``options`` carries what Megatron's config
+    lacks (THD load balance, attention backend, chunk size).
+    """
+    base = get_gpt_layer_local_spec(
+        num_experts=num_experts,
+        moe_grouped_gemm=moe_grouped_gemm,
+        qk_layernorm=qk_layernorm,
+        normalization=normalization,
+        qk_l2_norm=qk_l2_norm,
+    )
+    attn = base.submodules.self_attention
+    core = functools.partial(CPCoreAttention, options=options or CPAttentionOptions())
+    self_attention = ModuleSpec(
+        module=CPSelfAttention,
+        params=dict(attn.params),
+        submodules=dataclasses.replace(attn.submodules, core_attention=core),
+    )
+    return ModuleSpec(
+        module=CPTransformerLayer,
+        params=dict(base.params),
+        submodules=dataclasses.replace(base.submodules, self_attention=self_attention),
+    )
+
+
+def cp_layer_spec(
+    config: TransformerConfig, vp_stage: int | None = None, *, options: CPAttentionOptions | None = None
+) -> ModuleSpec:
+    """``transformer_layer_spec`` callable for NeMo-style configs: ``spec = fn(config)``.
+
+    Reads the layer-shape fields from the config (as NeMo's own local spec function does);
+    bind ``options`` with a partial (what :func:`megatron_cp_ext.nemo.apply_cp` does).
+    """
+    return get_gpt_layer_cp_spec(
+        qk_layernorm=bool(getattr(config, "qk_layernorm", False)),
+        normalization=getattr(config, "normalization", None),
+        num_experts=getattr(config, "num_moe_experts", None),
+        moe_grouped_gemm=bool(getattr(config, "moe_grouped_gemm", False)),
+        options=options,
+    )

@@ -1,0 +1,204 @@
+"""Single-rank checks of the Megatron integration: RoPE table and positions, the core
+attention against the dense fp64 reference, construction-time errors, spec and arguments."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from megatron.core.process_groups_config import ProcessGroupCollection  # noqa: E402
+from megatron.core.transformer.enums import AttnMaskType  # noqa: E402
+from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
+
+from megatron_cp_ext.megatron import (  # noqa: E402
+    CPAttentionOptions,
+    CPCoreAttention,
+    CPRotaryEmbedding,
+    add_arguments,
+    add_megatron_cp_arguments,
+    cp_attention_options_from_args,
+    get_batch_on_this_cp_rank,
+    get_gpt_layer_cp_spec,
+)
+from megatron_cp_ext.megatron.batch import zigzag_positions  # noqa: E402
+from megatron_cp_ext.megatron.core_attention import resolve_cp_comm_type  # noqa: E402
+from megatron_cp_ext.testing.pool import run_on_ranks  # noqa: E402
+from megatron_cp_ext.testing.reference import dense_attention  # noqa: E402
+
+
+def config(**kw) -> TransformerConfig:
+    base = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, attention_dropout=0.0)
+    return TransformerConfig(**{**base, **kw})
+
+
+def core(cfg: TransformerConfig | None = None, **kw) -> CPCoreAttention:
+    pgs = ProcessGroupCollection()
+    pgs.cp = None  # CP size 1: no process group needed at all
+    return CPCoreAttention(cfg or config(), 1, kw.pop("mask", AttnMaskType.causal), pg_collection=pgs, **kw)
+
+
+def test_rope_table_is_the_standard_formula_on_cpu() -> None:
+    rope = CPRotaryEmbedding(8, rotary_base=10000)
+    table = rope(11)
+    assert table.shape == (11, 1, 1, 8) and table.device.type == "cpu"
+    inv = 1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8))
+    expect = torch.outer(torch.arange(11).float(), inv)
+    torch.testing.assert_close(table[:, 0, 0], torch.cat([expect, expect], -1))
+    inter = CPRotaryEmbedding(8, rotary_interleaved=True)(3)[:, 0, 0]
+    torch.testing.assert_close(inter[:, 0::2], inter[:, 1::2])
+    assert "inv_freq" not in rope.state_dict()  # recomputed, never checkpointed
+
+
+def test_zigzag_positions_match_megatron_split() -> None:
+    assert zigzag_positions(8, 2, 0).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+    assert zigzag_positions(8, 2, 1).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    assert zigzag_positions(5, 1, 0).tolist() == [0, 1, 2, 3, 4]
+    with pytest.raises(ValueError, match="divisible"):
+        zigzag_positions(3, 2, 0)
+
+
+def test_thd_batch_at_cp1_gets_true_positions_and_params() -> None:
+    cu = torch.tensor([0, 3, 8])
+    batch = {"tokens": torch.arange(8)[None], "labels": torch.arange(8)[None], "attention_mask": torch.ones(1)}
+    out = get_batch_on_this_cp_rank(batch, cu, cp_group=None)
+    assert out["position_ids"].tolist() == [[0, 1, 2, 0, 1, 2, 3, 4]]
+    assert out["tokens"].tolist() == batch["tokens"].tolist() and out["attention_mask"] is None
+    params = out["packed_seq_params"]
+    assert params.qkv_format == "thd" and params.cu_seqlens_q.tolist() == [0, 3, 8] and params.max_seqlen_q == 5
+
+
+@pytest.mark.parametrize("window", [None, (3, 0)])
+def test_core_attention_thd_matches_dense_reference(window) -> None:
+    from megatron_cp_ext.megatron import make_packed_seq_params
+
+    lengths = [5, 1, 9, 0, 4]
+    cu = torch.tensor([0] + lengths).cumsum(0)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(19, h, 8, generator=gen, requires_grad=True) for h in (4, 2, 2))
+    attn = core(config(window_size=window))
+    out = attn(q, k, v, None, packed_seq_params=make_packed_seq_params(cu))
+    ref = dense_attention(q, k, v, cu, causal=True, window_size=window or (-1, -1))
+    assert out.shape == (19, 32)
+    torch.testing.assert_close(out.double(), ref.reshape(19, 32), atol=1e-5, rtol=1e-5)
+
+
+def test_core_attention_sbhd_softmax_scale_and_no_mask() -> None:
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(6, 2, h, 8, generator=gen) for h in (4, 2, 2))
+    out = core(mask=AttnMaskType.no_mask, softmax_scale=0.3)(q, k, v, None)
+    assert out.shape == (6, 2, 32)
+    for b in range(2):
+        ref = dense_attention(q[:, b], k[:, b], v[:, b], [0, 6], causal=False, softmax_scale=0.3)
+        torch.testing.assert_close(out[:, b].double(), ref.reshape(6, 32), atol=1e-5, rtol=1e-5)
+    assert math.isclose(core(softmax_scale=0.3).softmax_scale, 0.3)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"cfg": config(attention_dropout=0.1)}, "dropout"),
+        ({"attention_dropout": 0.2}, "dropout"),
+        ({"cfg": config(softmax_type="off-by-one")}, "vanilla"),
+        ({"attention_type": "cross"}, "self attention"),
+        ({"mask": AttnMaskType.arbitrary}, "attn_mask_type"),
+        ({"cp_comm_type": "ring"}, "p2p"),
+    ],
+)
+def test_unsupported_options_fail_at_construction(kwargs, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        core(**kwargs)
+
+
+def test_attention_bias_is_rejected() -> None:
+    q = torch.randn(4, 1, 4, 8)
+    with pytest.raises(ValueError, match="attention_bias"):
+        core()(q, q[:, :, :2], q[:, :, :2], None, attention_bias=torch.zeros(1))
+
+
+def test_options_and_comm_type_resolution() -> None:
+    with pytest.raises(ValueError, match="load_balance"):
+        CPAttentionOptions(load_balance="zigzag")
+    with pytest.raises(ValueError, match="backend"):
+        CPAttentionOptions(backend="nope")
+    with pytest.raises(TypeError):
+        CPAttentionOptions("dualchunk")  # keyword-only
+    cfg = config(cp_comm_type=["p2p", "a2a"])
+    assert resolve_cp_comm_type(None, cfg, 1) == "p2p" and resolve_cp_comm_type(None, cfg, 2) == "a2a"
+    assert resolve_cp_comm_type("all_gather", cfg, 2) == "all_gather"
+    assert resolve_cp_comm_type(None, config(), 1) == "p2p"
+    with pytest.raises(ValueError, match="no entry"):
+        resolve_cp_comm_type(None, cfg, 3)
+
+
+def test_spec_swaps_exactly_attention_and_layer() -> None:
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from megatron_cp_ext.megatron import CPSelfAttention, CPTransformerLayer
+
+    ours, theirs = get_gpt_layer_cp_spec(qk_layernorm=True), get_gpt_layer_local_spec(qk_layernorm=True)
+    assert ours.module is CPTransformerLayer and ours.submodules.self_attention.module is CPSelfAttention
+    a, b = ours.submodules.self_attention.submodules, theirs.submodules.self_attention.submodules
+    assert a.core_attention.func is CPCoreAttention
+    assert (a.linear_qkv, a.linear_proj, a.q_layernorm) == (b.linear_qkv, b.linear_proj, b.q_layernorm)
+    assert ours.submodules.mlp == theirs.submodules.mlp
+
+
+def test_arguments_reuse_megatron_names() -> None:
+    parser = add_megatron_cp_arguments(add_arguments(argparse.ArgumentParser()))
+    add_megatron_cp_arguments(parser)  # idempotent: Megatron-LM parsers already have these
+    args = parser.parse_args(
+        "--context-parallel-size 4 --cp-comm-type p2p a2a --hierarchical-context-parallel-sizes 2 2 "
+        "--window-size 128,0 --cp-load-balance contiguous --cp-attention-chunk-size 64".split()
+    )
+    assert args.cp_comm_type == ["p2p", "a2a"] and args.window_size == (128, 0)
+    assert args.hierarchical_context_parallel_sizes == [2, 2]
+    opts = cp_attention_options_from_args(args)
+    assert (opts.load_balance, opts.backend, opts.chunk_size) == ("contiguous", "auto", 64)
+
+
+def thd_vs_sequences_case(rank: int, world: int) -> float:
+    """Worker (1 rank): one packed THD pass == each sequence alone in sbhd (RoPE restarts)."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.spec_utils import build_module
+
+    from megatron_cp_ext.megatron import make_packed_seq_params
+
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel()
+    torch.manual_seed(0)
+    layer = build_module(get_gpt_layer_cp_spec(), config=config(hidden_dropout=0.0, use_cpu_initialization=True))
+    lengths = [6, 10, 4]
+    cu = torch.tensor([0] + lengths).cumsum(0)
+    x = torch.randn(20, 1, 32, generator=torch.Generator().manual_seed(1))
+    rope = CPRotaryEmbedding(8)
+    y, _ = layer(x, attention_mask=None, rotary_pos_emb=rope(10), packed_seq_params=make_packed_seq_params(cu))
+    parts = [layer(x[cu[i] : cu[i + 1]], attention_mask=None, rotary_pos_emb=rope(n))[0] for i, n in enumerate(lengths)]
+    return (torch.cat(parts) - y).abs().max().item()
+
+
+def test_packed_layer_equals_per_sequence_layer() -> None:
+    assert run_on_ranks(1, thd_vs_sequences_case)[0] < 1e-5
+
+
+def test_padded_cu_seqlens_layout_is_exact_for_real_tokens() -> None:
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    # Megatron/TE padded layout: sequences of 3 and 5 tokens stored in slots of 4 and 6.
+    real, padded = torch.tensor([0, 3, 8], dtype=torch.int32), torch.tensor([0, 4, 10], dtype=torch.int32)
+    params = PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=real, cu_seqlens_kv=real, cu_seqlens_q_padded=padded,
+        cu_seqlens_kv_padded=padded, max_seqlen_q=6, max_seqlen_kv=6,
+    )  # fmt: skip
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(10, h, 8, generator=gen) for h in (4, 2, 2))
+    out = core()(q, k, v, None, packed_seq_params=params)
+    rows = torch.tensor([0, 1, 2, 4, 5, 6, 7, 8])
+    ref = dense_attention(q[rows], k[rows], v[rows], real, causal=True)
+    torch.testing.assert_close(out[rows].double(), ref.reshape(8, 32), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="causal"):
+        core(mask=AttnMaskType.no_mask)(q, k, v, None, packed_seq_params=params)
