@@ -7,6 +7,7 @@ types over thd, bshd and sbhd layouts.
 
 from .attention import COMM_TYPES, QKV_FORMATS, cp_attention
 from .groups import hierarchical_cp_groups
+from .mask_names import mask_flags as mask_flags
 from .masks import MaskSpec
 from .sharding import CPSharding, Segment, shard_sequences
 

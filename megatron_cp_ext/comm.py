@@ -20,22 +20,41 @@ class Ring:
     ``exchange`` posts the pair and returns at once so the caller computes while the next
     block is in flight; ``wait`` completes everything posted. Zero-size transfers are skipped
     (both ends know the sizes from the plan).
+
+    ``direction=-1`` runs the ring the other way (next = rank - 1), and ``exchange(..., hops=h)``
+    talks to the rank ``h`` places along it (negative: back towards where a block came from),
+    which is how the p2p schedule returns gradients straight home. Each ring object has its
+    own ``tag`` so the different streams of one schedule never match each other's messages on
+    backends that honour tags; on the others they match in posting order, which every rank
+    keeps identical.
     """
 
-    def __init__(self, group: dist.ProcessGroup) -> None:
+    def __init__(self, group: dist.ProcessGroup, direction: int = 1, tag: int = 0) -> None:
         self.group = group
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
-        self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
-        self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
+        self.direction = direction
+        self.tag = tag
+        self.next = self.peer(1)
+        self.prev = self.peer(-1)
         self._reqs: list = []
+        self._keep: list[torch.Tensor] = []
 
-    def exchange(self, send: torch.Tensor | None, recv: torch.Tensor | None) -> None:
+    def peer(self, hops: int) -> int:
+        """Global rank ``hops`` places along this ring's direction."""
+        return dist.get_global_rank(self.group, (self.rank + self.direction * hops) % self.size)
+
+    def exchange(self, send: torch.Tensor | None, recv: torch.Tensor | None, hops: int = 1) -> None:
+        """Send to the rank ``hops`` ahead and receive from the rank ``hops`` behind."""
         ops = []
         if send is not None and send.numel():
-            ops.append(dist.P2POp(dist.isend, send.contiguous(), self.next, self.group))
+            send = send.contiguous()
+            self._keep.append(send)  # in flight until wait(): keep the storage alive
+            to = self.next if hops == 1 else self.peer(hops)
+            ops.append(dist.P2POp(dist.isend, send, to, self.group, self.tag))
         if recv is not None and recv.numel():
-            ops.append(dist.P2POp(dist.irecv, recv, self.prev, self.group))
+            frm = self.prev if hops == 1 else self.peer(-hops)
+            ops.append(dist.P2POp(dist.irecv, recv, frm, self.group, self.tag))
         if ops:
             self._reqs += dist.batch_isend_irecv(ops)
 
@@ -43,6 +62,7 @@ class Ring:
         for r in self._reqs:
             r.wait()
         self._reqs = []
+        self._keep = []
 
 
 def all_gather_padded(x: torch.Tensor, pad_rows: int, group: dist.ProcessGroup) -> torch.Tensor:

@@ -15,9 +15,11 @@ import torch.distributed as dist
 
 import megatron_cp_ext as mcx
 
+from . import coverage
 from .reference import dense_attention
 
 __all__ = ["AttnCase", "run_case", "check_case", "TOLERANCE"]
+__all__ += ["local_shard", "global_thd", "zigzag_split", "zigzag_merge"]
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3.5e-2, torch.float16: 5e-3}
 
@@ -42,6 +44,8 @@ class AttnCase:
     seed: int = 0
     a2a_size: int = 0
     """For ``a2a+p2p``: ranks per a2a group (0: the whole world for ``a2a``)."""
+    qkv_format: str = "thd"
+    """``bshd``/``sbhd``: ``seqlens`` must be b equal lengths; ranks get Megatron's zigzag split."""
     extra: dict = field(default_factory=dict)
 
     @property
@@ -80,14 +84,56 @@ def cp_group_for(case: AttnCase, world: int):
     return _HIER_GROUPS[key]
 
 
+def zigzag_split(x: torch.Tensor, rank: int, cp: int, dim: int) -> torch.Tensor:
+    """Megatron's bshd/sbhd CP split, written independently of the engine's sharding: the
+    sequence dim in 2cp equal chunks, rank r keeps chunks r and 2cp-1-r."""
+    chunks = x.chunk(2 * cp, dim=dim)
+    return torch.cat([chunks[rank], chunks[2 * cp - 1 - rank]], dim=dim)
+
+
+def zigzag_merge(xs: list[torch.Tensor], dim: int) -> torch.Tensor:
+    """Inverse of :func:`zigzag_split` over all ranks' pieces (in rank order)."""
+    cp = len(xs)
+    halves = [x.chunk(2, dim=dim) for x in xs]
+    return torch.cat([halves[c][0] if c < cp else halves[2 * cp - 1 - c][1] for c in range(2 * cp)], dim=dim)
+
+
+def _seq_dims(case: AttnCase) -> tuple[int, int]:
+    """(b, s) of a bshd/sbhd case: its sequences must all have one length."""
+    if len(set(case.seqlens)) != 1:
+        raise ValueError(f"{case.qkv_format} cases need equal seqlens, got {case.seqlens}")
+    return len(case.seqlens), case.seqlens[0]
+
+
+def local_shard(
+    case: AttnCase, world: int, rank: int, x: torch.Tensor, sharding: mcx.CPSharding | None = None
+) -> torch.Tensor:
+    """Global THD ``[T, h, d]`` -> what ``rank`` passes to ``cp_attention`` in ``case.qkv_format``."""
+    if case.qkv_format == "thd":
+        return (sharding or case.sharding(world)).shard(x, rank)
+    b, s = _seq_dims(case)
+    local = zigzag_split(x.view(b, s, *x.shape[1:]), rank, world, 1)
+    return local.transpose(0, 1).contiguous() if case.qkv_format == "sbhd" else local
+
+
+def global_thd(case: AttnCase, xs: list[torch.Tensor]) -> torch.Tensor:
+    """Inverse of :func:`local_shard` over all ranks (in rank order)."""
+    if case.qkv_format == "thd":
+        return case.sharding(len(xs)).unshard(xs)
+    if case.qkv_format == "sbhd":
+        xs = [x.transpose(0, 1) for x in xs]
+    return zigzag_merge(xs, 1).flatten(0, 1)
+
+
 def run_case(rank: int, world: int, case: AttnCase) -> dict[str, torch.Tensor]:
     """Worker: shard, run forward + backward on this rank, return local results."""
     dtype = getattr(torch, case.dtype)
-    sharding = case.sharding(world)
-    q, k, v, dout = (sharding.shard(x, rank).to(dtype) for x in case.inputs())
+    sharding = case.sharding(world) if case.qkv_format == "thd" else None
+    q, k, v, dout = (local_shard(case, world, rank, x, sharding).to(dtype) for x in case.inputs())
     q, k, v = (x.requires_grad_() for x in (q, k, v))
     out = mcx.cp_attention(
-        q, k, v, cp_group=cp_group_for(case, world), comm_type=case.comm_type, sharding=sharding,
+        q, k, v, cp_group=cp_group_for(case, world), comm_type=case.comm_type, qkv_format=case.qkv_format,
+        sharding=sharding,
         causal=case.causal, window_size=case.window_size, chunk_size=case.chunk_size,
     )  # fmt: skip
     out.backward(dout)
@@ -96,8 +142,6 @@ def run_case(rank: int, world: int, case: AttnCase) -> dict[str, torch.Tensor]:
 
 def check_case(results: list[dict[str, torch.Tensor]], case: AttnCase) -> dict[str, float]:
     """Driver: unshard and compare against the dense fp64 reference; returns max errors."""
-    world = len(results)
-    sharding = case.sharding(world)
     q, k, v, dout = case.inputs()
     dtype = getattr(torch, case.dtype)
     # the reference sees the same rounded inputs as the ranks did
@@ -109,11 +153,16 @@ def check_case(results: list[dict[str, torch.Tensor]], case: AttnCase) -> dict[s
     want = {"out": ref, "dq": q.grad, "dk": k.grad, "dv": v.grad}
     errors = {}
     for name, w in want.items():
-        got = sharding.unshard([r[name] for r in results]).double()
+        got = global_thd(case, [r[name] for r in results]).double()
         assert got.shape == w.shape, (name, got.shape, w.shape)
         assert torch.isfinite(got).all(), f"{name} has non-finite values for {asdict(case)}"
         errors[name] = (got - w).abs().max().item() if got.numel() else 0.0
     tol = TOLERANCE[dtype]
     bad = {n: e for n, e in errors.items() if e > tol}
     assert not bad, f"errors {bad} above {tol} for {case}"
+    feats = coverage.features_of(
+        causal=case.causal, window_size=case.window_size, chunk_size=case.chunk_size,
+        hq=case.hq, hkv=case.hkv, d=case.d, dv=case.dv,
+    )  # fmt: skip
+    coverage.record(case.comm_type, case.qkv_format, feats)
     return errors

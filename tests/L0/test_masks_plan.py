@@ -70,9 +70,9 @@ def _check_plan_covers(sh, mask_kw, schedule):
     total = Counter()
     for r in range(sh.cp_size):
         plan = schedule.build_plan(list(sh.segments), list(sh.segments), r, mask)
-        if schedule is p2p:
-            for t, step in enumerate(plan.steps):
-                total += _pairs_of_step(step, glob[r], glob[plan.source(t)])
+        if schedule is p2p:  # compact ring buffers: map their rows back through the owner's rows
+            for src, held, step in plan.blocks():
+                total += _pairs_of_step(step, glob[r], [glob[src][i] for i in expand_rows(held)])
         else:
             kv_glob = [-1] * (plan.pad * sh.cp_size)
             for j in range(sh.cp_size):
@@ -110,9 +110,10 @@ def test_causal_ring_skips_masked_work():
     mask = MaskSpec.make(causal=True)
     for r in range(cp):
         plan = p2p.build_plan(list(sh.segments), list(sh.segments), r, mask)
-        assert any(c.causal for c in plan.steps[0].calls)
+        assert plan.num_steps == cp and [lane.direction for lane in plan.lanes] == [1]  # the one-way ring
+        assert any(c.causal for c in plan.own.calls)
         for t in range(1, cp):
-            calls = plan.steps[t].calls
+            calls = plan.lanes[0].hops[t - 1].step.calls
             assert calls and not any(c.causal for c in calls)
             area = sum(len(expand_rows(qr)) * len(expand_rows(kr)) for c in calls for qr, kr in zip(c.q_rows, c.k_rows))
             assert area == 16 * 16 // 2  # 16 local tokens against 16 remote: half visible

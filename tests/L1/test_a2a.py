@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 import megatron_cp_ext as mcx
+from megatron_cp_ext.testing import coverage
 from megatron_cp_ext.testing.cases import AttnCase, check_case, cp_group_for, run_case
 from megatron_cp_ext.testing.pool import run_on_ranks
 from megatron_cp_ext.testing.reference import dense_attention
@@ -86,6 +87,7 @@ def test_seq_formats_match_dense(topo, causal, fmt):
             got = got.transpose(0, 1)
         assert got.shape == w.shape
         assert (got.double() - w).abs().max().item() < 1e-4, (i, fmt, comm)
+    coverage.record(comm, fmt, coverage.features_of(causal=causal, hq=hq, hkv=hkv, d=d, dv=dv))
 
 
 def _error_worker(rank, world, fault):
@@ -98,6 +100,13 @@ def _error_worker(rank, world, fault):
         comm, group = "a2a+p2p", [dist.group.WORLD]
     if fault == "group_not_list":
         comm = "a2a+p2p"
+    if fault == "seq_len":  # bshd with s = 3 * 4 = 12 tokens per sequence: 12 % (2 * 4) != 0
+        x = torch.randn(2, 3, 4, 8)
+        try:
+            mcx.cp_attention(x, x, x, cp_group=group, comm_type="a2a", qkv_format="bshd")
+        except ValueError as e:
+            return str(e)
+        return None
     try:
         mcx.cp_attention(q, k, k, cp_group=group, comm_type=comm, sharding=sh)
     except ValueError as e:
@@ -108,7 +117,7 @@ def _error_worker(rank, world, fault):
 @pytest.mark.parametrize(
     "fault, match",
     [("heads", "num_heads"), ("kv_heads", "divide"), ("group_list", "a2a_group, p2p_group"),
-     ("group_not_list", "a2a_group, p2p_group")],
+     ("group_not_list", "a2a_group, p2p_group"), ("seq_len", "divisible by 2*cp")],
 )  # fmt: skip
 def test_errors(fault, match):
     msgs = run_on_ranks(4, _error_worker, fault, timeout=60)
