@@ -12,15 +12,13 @@ kernel speed is measured with the same script on a CUDA machine (``--device cuda
 from __future__ import annotations
 
 import argparse
-import os
-import socket
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import megatron_cp_ext as mcx
+from megatron_cp_ext.testing.spawn import spawn_ranks
 
 COMMS = [("p2p", 0), ("all_gather", 0), ("a2a", 0), ("a2a+p2p", 2)]
 MASKS = {
@@ -83,18 +81,6 @@ def _bench(rank: int, world: int, args: argparse.Namespace) -> None:
             print(f"{mask_name:<10}{comm:<18}{steady * 1e3:>12.1f}{ratio:>8.2f}{plan * 1e3:>12.1f}")
 
 
-def _spawned(rank, world, port, args):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo" if args.device == "cpu" else "nccl", rank=rank, world_size=world)
-    if args.device == "cuda":
-        torch.cuda.set_device(rank)
-    try:
-        _bench(rank, world, args)
-    finally:
-        dist.destroy_process_group()
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--world-size", type=int, default=4)
@@ -105,10 +91,7 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = p.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_spawned, args=(args.world_size, port, args), nprocs=args.world_size)
+    spawn_ranks(_bench, args.world_size, args, backend="gloo" if args.device == "cpu" else "nccl")
 
 
 if __name__ == "__main__":

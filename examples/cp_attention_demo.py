@@ -15,11 +15,11 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import megatron_cp_ext as mcx
 from megatron_cp_ext.comm import all_gather_padded
 from megatron_cp_ext.testing.reference import dense_attention
+from megatron_cp_ext.testing.spawn import spawn_ranks
 
 COMM_TYPES = ["p2p", "all_gather", "a2a"]
 
@@ -58,16 +58,6 @@ def _bench(rank: int, world: int, args: argparse.Namespace) -> None:
             print(f"{comm:<12}{err:>16.2e}{ms:>18.1f}")
 
 
-def _spawned(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        _bench(rank, world, args)
-    finally:
-        dist.destroy_process_group()
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--world-size", type=int, default=4, help="ranks to spawn when not under torchrun")
@@ -85,12 +75,7 @@ def main() -> None:
         _bench(dist.get_rank(), dist.get_world_size(), args)
         dist.destroy_process_group()
         return
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_spawned, args=(args.world_size, port, args), nprocs=args.world_size)
+    spawn_ranks(_bench, args.world_size, args)
 
 
 if __name__ == "__main__":

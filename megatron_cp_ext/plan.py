@@ -66,9 +66,10 @@ def _runs(layout: Layout) -> dict[int, list[list[Piece]]]:
     return runs
 
 
-def _rows(run: list[Piece], start: int, end: int) -> list[tuple[int, int]]:
-    """Row ranges holding positions ``[start, end)`` of a run, in position order, merged."""
-    out: list[tuple[int, int]] = []
+def rows_of(run: list[Piece], start: int, end: int, out: list | None = None) -> list[tuple[int, int]]:
+    """Row ranges holding positions ``[start, end)`` of a run, in position order, merged
+    (appended to ``out`` when given, merging with its last range)."""
+    out = [] if out is None else out
     for p in run:
         a, b = max(start, p.start), min(end, p.end)
         if a < b:
@@ -180,11 +181,11 @@ def _entries(q_layout: Layout, kv_layout: Layout, mask: MaskSpec) -> list[tuple[
                     full[(b.qs, b.qe)].append((b, krun))
                 else:
                     e = _Entry(seq, b.qs, b.qe, [(b.ks, b.ke)], b.causal, b.window)
-                    out.append((e, _rows(qrun, b.qs, b.qe), _rows(krun, b.ks, b.ke)))
+                    out.append((e, rows_of(qrun, b.qs, b.qe), rows_of(krun, b.ks, b.ke)))
             for (a, b), group in full.items():
-                krows = [r for blk, krun in group for r in _rows(krun, blk.ks, blk.ke)]
+                krows = [r for blk, krun in group for r in rows_of(krun, blk.ks, blk.ke)]
                 e = _Entry(seq, a, b, [(blk.ks, blk.ke) for blk, _ in group], False, (-1, -1))
-                out.append((e, _rows(qrun, a, b), krows))
+                out.append((e, rows_of(qrun, a, b), krows))
     return out
 
 

@@ -35,7 +35,7 @@ from typing import NamedTuple
 import torch
 
 from ..masks import MaskSpec, visible_blocks
-from ..plan import Layout, Piece, StepPlan, layout_of, plan_step
+from ..plan import Layout, Piece, StepPlan, layout_of, plan_step, rows_of
 from ..sharding import Segment
 from .rowsets import Rows, RowSet, clip, merge, minus, relative, size
 
@@ -63,13 +63,7 @@ def _visible_rows(layout: Layout, need: dict[int, RowSet]) -> RowSet:
         if not ivs:
             continue
         for a, b in ivs if len(ivs) == 1 else clip(ivs, p.start, p.end):
-            a, b = max(a, p.start), min(b, p.end)
-            if a < b:
-                r0, r1 = p.row + a - p.start, p.row + b - p.start
-                if out and out[-1][1] == r0:
-                    out[-1] = (out[-1][0], r1)
-                else:
-                    out.append((r0, r1))
+            rows_of([p], a, b, out)
     return out
 
 

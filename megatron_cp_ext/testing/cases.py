@@ -21,6 +21,23 @@ from .reference import dense_attention
 __all__ = ["AttnCase", "run_case", "check_case", "TOLERANCE"]
 __all__ += ["local_shard", "global_thd", "zigzag_split", "zigzag_merge"]
 
+# Masks for plan-level checks: causal/no mask, left/bidirectional windows incl. 0 and longer
+# than the sequences, chunked (incl. chunk 1) and chunked + window.
+PLAN_MASKS = [
+    dict(causal=True),
+    dict(causal=False),
+    dict(causal=True, window_size=(3, -1)),
+    dict(causal=True, window_size=(0, -1)),
+    dict(causal=False, window_size=(2, 5)),
+    dict(causal=False, window_size=(0, 0)),
+    dict(causal=False, window_size=(-1, 1)),
+    dict(causal=False, window_size=(40, 40)),
+    dict(causal=True, chunk_size=4),
+    dict(causal=False, chunk_size=3),
+    dict(causal=False, chunk_size=1),
+    dict(causal=True, window_size=(2, -1), chunk_size=5),
+]
+
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3.5e-2, torch.float16: 5e-3}
 
 

@@ -12,20 +12,10 @@ import megatron_cp_ext as mcx
 from megatron_cp_ext.masks import MaskSpec, flash_visible, visible_blocks
 from megatron_cp_ext.plan import expand_rows, layout_of
 from megatron_cp_ext.schedules import all_gather, p2p
+from megatron_cp_ext.testing.cases import PLAN_MASKS
 from megatron_cp_ext.testing.reference import visibility_matrix
 
-MASKS = [
-    dict(causal=True),
-    dict(causal=False),
-    dict(causal=True, window_size=(3, -1)),
-    dict(causal=True, window_size=(0, -1)),
-    dict(causal=False, window_size=(2, 5)),
-    dict(causal=False, window_size=(0, 0)),
-    dict(causal=False, window_size=(-1, 1)),
-    dict(causal=True, chunk_size=4),
-    dict(causal=False, chunk_size=1),
-    dict(causal=True, window_size=(2, -1), chunk_size=5),
-]
+MASKS = PLAN_MASKS
 
 
 @pytest.mark.parametrize("mask_kw", MASKS)

@@ -17,22 +17,10 @@ from megatron_cp_ext.masks import MaskSpec, flash_visible
 from megatron_cp_ext.plan import expand_rows
 from megatron_cp_ext.schedules import p2p
 from megatron_cp_ext.schedules.rowsets import Rows
+from megatron_cp_ext.testing.cases import PLAN_MASKS
 from megatron_cp_ext.testing.reference import visibility_matrix
 
-MASKS = [
-    dict(causal=True),
-    dict(causal=False),
-    dict(causal=True, window_size=(3, -1)),
-    dict(causal=True, window_size=(0, -1)),
-    dict(causal=False, window_size=(2, 5)),
-    dict(causal=False, window_size=(0, 0)),
-    dict(causal=False, window_size=(-1, 1)),
-    dict(causal=False, window_size=(40, 40)),
-    dict(causal=True, chunk_size=4),
-    dict(causal=False, chunk_size=3),
-    dict(causal=False, chunk_size=1),
-    dict(causal=True, window_size=(2, -1), chunk_size=5),
-]
+MASKS = PLAN_MASKS
 
 
 def _random_sharding(rng: random.Random, cp: int) -> mcx.CPSharding:
