@@ -21,6 +21,9 @@ def hierarchical_cp_groups(a2a_size: int, cp_ranks: Sequence[int] | None = None)
     Args:
         a2a_size: ranks per all-to-all group; must divide the CP size.
         cp_ranks: global ranks of the CP group in CP-rank order (default: the whole world).
+            Every rank must pass the same list, so this serves one CP group; with data
+            parallelism (several CP groups) use Megatron's groups or
+            ``megatron_cp_ext.megatron.core_attention.hierarchical_groups_from_sizes``.
     """
     ranks = list(range(dist.get_world_size())) if cp_ranks is None else [int(r) for r in cp_ranks]
     if a2a_size < 1 or len(ranks) % a2a_size:
