@@ -1,18 +1,24 @@
 """Context parallelism for attention on packed variable-length sequences.
 
 Public API (design §1): :func:`shard_sequences` -> :class:`CPSharding` (shard/unshard, plan
-cache) and :func:`cp_attention` for the ``p2p``, ``all_gather``, ``a2a`` and ``a2a+p2p`` comm
-types over thd, bshd and sbhd layouts.
+cache), :func:`cp_attention` for the ``p2p``, ``all_gather``, ``a2a`` and ``a2a+p2p`` comm
+types over thd, bshd and sbhd layouts, and :func:`inspect_plan`, the exact account of a plan.
 """
 
+from . import batches
 from .attention import COMM_TYPES, QKV_FORMATS, cp_attention
 from .groups import hierarchical_cp_groups
+from .inspect import CallReport, PlanReport, RankReport, inspect_plan
 from .mask_names import mask_flags as mask_flags
 from .masks import MaskSpec
-from .sharding import CPSharding, Segment, shard_sequences
+from .sharding import BALANCES, CPSharding, Segment, shard_sequences
 
 __all__ = [
     "cp_attention",
+    "inspect_plan",
+    "PlanReport",
+    "RankReport",
+    "CallReport",
     "hierarchical_cp_groups",
     "shard_sequences",
     "CPSharding",
@@ -20,5 +26,7 @@ __all__ = [
     "MaskSpec",
     "COMM_TYPES",
     "QKV_FORMATS",
+    "BALANCES",
+    "batches",
 ]
 __version__ = "0.1.0"

@@ -22,9 +22,9 @@ import torch.distributed as dist
 from .backends import get_backend
 from .comm import exchange_ints
 from .masks import MaskSpec
-from .schedules import SCHEDULES, a2a
+from .schedules import SCHEDULES, a2a, build_plan
 from .schedules.common import Run
-from .schedules.p2p import RingPlan
+from .schedules.p2p import P2PPlan
 from .sharding import CPSharding, shard_sequences
 
 __all__ = ["cp_attention", "COMM_TYPES", "QKV_FORMATS"]
@@ -124,7 +124,7 @@ def _groups(cp_group, comm_type: str) -> _Groups:
 
 def _signature(sharding: CPSharding, shapes: _Shapes, comm_type: str, mask: MaskSpec, rank: int) -> list[int]:
     cu_crc = zlib.crc32(",".join(map(str, sharding.cu_seqlens)).encode())
-    seg_crc = zlib.crc32(repr(sharding.segments).encode())
+    seg_crc = zlib.crc32(sharding.seg.tobytes())
     return [
         rank, shapes.tokens, sharding.num_tokens(rank), cu_crc, seg_crc, COMM_TYPES.index(comm_type),
         int(mask.causal), mask.left, mask.right, mask.chunk or 0, _DTYPES.index(shapes.dtype),
@@ -172,15 +172,6 @@ def _agree(sig: list[int], groups: _Groups, device: torch.device) -> None:
         raise err
 
 
-def _build_plan(sharding: CPSharding, groups: _Groups, comm_type: str, mask: MaskSpec):
-    if groups.a2a is None and groups.p2p is None:
-        comm_type = "all_gather"  # a single rank: local attention, no communication
-    if comm_type in ("a2a", "a2a+p2p"):
-        return a2a.build_plan(sharding, groups.a2a_size, groups.rank, mask)
-    segs = list(sharding.segments)
-    return SCHEDULES[comm_type].build_plan(segs, segs, groups.rank, mask)
-
-
 def _get_plan(q, sharding, shapes, groups: _Groups, comm_type, mask):
     """The cached plan for this micro-batch, built (with the consistency exchange) on first use."""
     key = (comm_type, mask, id(groups.a2a), id(groups.p2p), groups.rank)
@@ -193,7 +184,7 @@ def _get_plan(q, sharding, shapes, groups: _Groups, comm_type, mask):
             )
         return plan
     _agree(_signature(sharding, shapes, comm_type, mask, groups.rank), groups, q.device)
-    plan = sharding._plans[key] = _build_plan(sharding, groups, comm_type, mask)
+    plan = sharding._plans[key] = build_plan(sharding, comm_type, groups.rank, groups.a2a_size, mask)
     return plan
 
 
@@ -210,7 +201,7 @@ def _fixed_length_sharding(b: int, s_local: int, cp: int, qkv_format: str) -> CP
         )
     key = (b, s, cp)
     if key not in _SEQ_SHARDINGS:
-        _SEQ_SHARDINGS[key] = shard_sequences([i * s for i in range(b + 1)], cp)
+        _SEQ_SHARDINGS[key] = shard_sequences([i * s for i in range(b + 1)], cp, "dualchunk")
     return _SEQ_SHARDINGS[key]
 
 
@@ -272,7 +263,7 @@ def cp_attention(
     if isinstance(plan, a2a.A2APlan):
         rep = a2a.kv_replication(shapes.hq, shapes.hkv, groups.a2a_size)
         return a2a.attention(q, k, v, run, groups.a2a, groups.p2p, rep, _ring_attention)
-    schedule = SCHEDULES["p2p"] if isinstance(plan, RingPlan) else SCHEDULES["all_gather"]
+    schedule = SCHEDULES["p2p"] if isinstance(plan, P2PPlan) else SCHEDULES["all_gather"]
     return _CPAttention.apply(q, k, v, run, schedule)
 
 
@@ -291,10 +282,20 @@ def _seq_format_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, arg
     if k.shape[:2] != q.shape[:2] or v.shape[:2] != q.shape[:2]:
         raise ValueError(f"q, k, v batch/sequence dims differ: {q.shape[:2]}, {k.shape[:2]}, {v.shape[:2]}")
     b, s_local = q.shape[:2]
-    sharding = _fixed_length_sharding(b, s_local, _groups(args["cp_group"], args["comm_type"]).size, fmt)
-    thd = [x.reshape(b * s_local, *x.shape[2:]) for x in (q, k, v)]
+    cp = _groups(args["cp_group"], args["comm_type"]).size
+    sharding = _fixed_length_sharding(b, s_local, cp, fmt)
+    # Megatron's local row is [chunk r | chunk 2cp-1-r]; the dual-chunk sharding holds all first
+    # chunks, then all second ones (one copy here, and every step's rows are slices)
+    halves = 2 if cp > 1 else 1
+    thd = [
+        x.unflatten(1, (halves, s_local // halves)).transpose(0, 1).reshape(b * s_local, *x.shape[2:])
+        for x in (q, k, v)
+    ]
     kw = {
         n: args[n] for n in ("cp_group", "comm_type", "causal", "window_size", "chunk_size", "softmax_scale", "backend")
     }
-    out = cp_attention(*thd, qkv_format="thd", sharding=sharding, **kw).view(b, s_local, *q.shape[2:3], -1)
-    return out.transpose(0, 1).contiguous() if fmt == "sbhd" else out
+    out = cp_attention(*thd, qkv_format="thd", sharding=sharding, **kw)
+    out = out.view(halves, b, s_local // halves, *out.shape[1:])
+    if fmt == "sbhd":
+        return out.permute(0, 2, 1, 3, 4).reshape(s_local, b, *out.shape[3:])
+    return out.transpose(0, 1).reshape(b, s_local, *out.shape[3:])

@@ -1,4 +1,4 @@
-"""Communication used by the schedules: an async ring, padded uneven gathers, one-off checks.
+"""Communication used by the schedules: async peer exchanges, padded uneven gathers, checks.
 
 Ranks may hold different token counts. Every size here comes from the host plan, so no
 collective ever waits on a size exchange inside forward/backward. Uneven all-gather and
@@ -11,58 +11,37 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["Ring", "all_gather_padded", "reduce_scatter_padded", "exchange_ints"]
+__all__ = ["Peers", "all_gather_padded", "reduce_scatter_padded", "exchange_ints"]
 
 
-class Ring:
-    """Asynchronous send-to-next / receive-from-previous over a process group.
+class Peers:
+    """Batched asynchronous sends and receives to any peers of a process group.
 
-    ``exchange`` posts the pair and returns at once so the caller computes while the next
-    block is in flight; ``wait`` completes everything posted. Zero-size transfers are skipped
-    (both ends know the sizes from the plan).
-
-    ``direction=-1`` runs the ring the other way (next = rank - 1), and ``exchange(..., hops=h)``
-    talks to the rank ``h`` places along it (negative: back towards where a block came from),
-    which is how the p2p schedule returns gradients straight home. Each ring object has its
-    own ``tag`` so the different streams of one schedule never match each other's messages on
-    backends that honour tags; on the others they match in posting order, which every rank
-    keeps identical.
+    ``post`` issues one batch (a NCCL group) and returns at once, so the caller computes while
+    it is in flight; ``wait`` completes a batch. Peers are group-local ranks. Each object has
+    its own ``tag`` so the streams of one schedule never match each other's messages on
+    backends that honour tags; on the others, messages between two ranks match in posting
+    order, which the schedules keep identical on both sides (they post by step number).
+    Zero-size tensors are skipped (both ends know the sizes from the plan).
     """
 
-    def __init__(self, group: dist.ProcessGroup, direction: int = 1, tag: int = 0) -> None:
+    def __init__(self, group: dist.ProcessGroup, tag: int = 0) -> None:
         self.group = group
-        self.rank = dist.get_rank(group)
-        self.size = dist.get_world_size(group)
-        self.direction = direction
         self.tag = tag
-        self.next = self.peer(1)
-        self.prev = self.peer(-1)
-        self._reqs: list = []
-        self._keep: list[torch.Tensor] = []
+        self._global = [dist.get_global_rank(group, r) for r in range(dist.get_world_size(group))]
 
-    def peer(self, hops: int) -> int:
-        """Global rank ``hops`` places along this ring's direction."""
-        return dist.get_global_rank(self.group, (self.rank + self.direction * hops) % self.size)
+    def post(self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]]) -> list:
+        """Start ``sends`` (peer, tensor) and ``recvs`` (peer, buffer); returns the batch."""
+        ops = [
+            dist.P2POp(dist.isend, t.contiguous(), self._global[p], self.group, self.tag) for p, t in sends if t.numel()
+        ]
+        ops += [dist.P2POp(dist.irecv, t, self._global[p], self.group, self.tag) for p, t in recvs if t.numel()]
+        return dist.batch_isend_irecv(ops) if ops else []
 
-    def exchange(self, send: torch.Tensor | None, recv: torch.Tensor | None, hops: int = 1) -> None:
-        """Send to the rank ``hops`` ahead and receive from the rank ``hops`` behind."""
-        ops = []
-        if send is not None and send.numel():
-            send = send.contiguous()
-            self._keep.append(send)  # in flight until wait(): keep the storage alive
-            to = self.next if hops == 1 else self.peer(hops)
-            ops.append(dist.P2POp(dist.isend, send, to, self.group, self.tag))
-        if recv is not None and recv.numel():
-            frm = self.prev if hops == 1 else self.peer(-hops)
-            ops.append(dist.P2POp(dist.irecv, recv, frm, self.group, self.tag))
-        if ops:
-            self._reqs += dist.batch_isend_irecv(ops)
-
-    def wait(self) -> None:
-        for r in self._reqs:
-            r.wait()
-        self._reqs = []
-        self._keep = []
+    @staticmethod
+    def wait(batch: list) -> None:
+        for work in batch:
+            work.wait()
 
 
 def all_gather_padded(x: torch.Tensor, pad_rows: int, group: dist.ProcessGroup) -> torch.Tensor:

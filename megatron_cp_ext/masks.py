@@ -4,13 +4,12 @@ Masks are defined on global positions inside one sequence (design §1): query at
 sees key k iff ``(causal => k <= q)``, ``(left >= 0 => k >= q - left)``,
 ``(right >= 0 and not causal => k <= q + right)`` and ``(chunk => q // chunk == k // chunk)``.
 
-A flash varlen call aligns causal/windows bottom-right per entry. For a Q range
-``[qs, qe)`` and a KV range ``[ks, ke)`` that alignment equals global alignment shifted by
-``c = ke - qe``, so we cut the pair into sub-ranges on which each bound of the visible band
-(lower: ``max(ks, q - left)``; upper: ``min(ke - 1, q + right)``) is either constant or
-sliding, trim KV to exactly the keys the sub-range sees, and express it as one of: fully
-visible (no mask), causal (upper bound sliding), left window (lower bound sliding) or both.
-Chunked attention is the same after cutting both ranges at chunk boundaries.
+A flash varlen call aligns causal/windows bottom-right per entry and clamps every query's
+window to the entry's keys. So a (Q range ``[qs, qe)``, KV range ``[ks, ke)``) pair is one
+entry: trim the queries to those that see a key and the keys to those some query sees, and
+the band ``q - left <= k <= q + right`` becomes the entry's flash window, shifted by where
+the ranges sit (:func:`visible_blocks`). Chunked attention is the same after cutting both
+ranges at chunk boundaries.
 """
 
 from __future__ import annotations
@@ -73,7 +72,8 @@ class Block(NamedTuple):
     """Queries ``[qs, qe)`` against keys ``[ks, ke)`` of one sequence, as one flash entry.
 
     ``causal``/``window`` are the flash arguments (bottom-right aligned, window entries >= 0
-    or -1) that make the entry exact. Every query of the block sees at least one key.
+    or -1, ``causal`` iff the right window is 0) that make the entry exact. Every query of
+    the block sees at least one key.
     """
 
     qs: int
@@ -84,44 +84,38 @@ class Block(NamedTuple):
     window: tuple[int, int]
 
 
-def _band_blocks(qs: int, qe: int, ks: int, ke: int, lo: int | None, up: int | None) -> list[Block]:
-    """Blocks for the band ``q - lo <= k <= q + up`` (None = unbounded) inside the ranges."""
-    if ks >= ke:
+def _band_block(qs: int, qe: int, ks: int, ke: int, lo: int | None, up: int | None) -> list[Block]:
+    """The band ``q - lo <= k <= q + up`` (None = unbounded) inside the ranges, as one entry.
+
+    Trim the queries to those that see a key and the keys to those some query sees; the band
+    is then flash's window ``(left, right)`` of the entry: query i (global ``a + i``) sees
+    local keys ``[i + c - left, i + c + right]`` with ``c = sk - sq``, clamped to the entry.
+    """
+    a = qs if up is None else max(qs, ks - up)
+    b = qe if lo is None else min(qe, ke + lo)
+    k0 = ks if lo is None else max(ks, a - lo)
+    k1 = ke if up is None else min(ke, b + up)
+    if a >= b or k0 >= k1:
         return []
-    first = qs if up is None else max(qs, ks - up)  # earliest query seeing key ks
-    last = qe if lo is None else min(qe, ke + lo)  # one past the last query seeing key ke-1
-    if first >= last:
-        return []
-    cuts = {first, last}
-    lo_slides_from = None if lo is None else ks + lo  # from here the lower bound is q - lo
-    up_slides_until = None if up is None else ke - up  # before here the upper bound is q + up
-    for b in (lo_slides_from, up_slides_until):
-        if b is not None and first < b < last:
-            cuts.add(b)
-    points = sorted(cuts)
-    blocks = []
-    for a, b in zip(points[:-1], points[1:]):
-        lo_slides = lo_slides_from is not None and a >= lo_slides_from
-        up_slides = up_slides_until is not None and a < up_slides_until
-        k0 = a - lo if lo_slides else ks
-        k1 = b + up if up_slides else ke
-        shift = k1 - b
-        left = lo + shift if lo_slides else -1
-        blocks.append(Block(a, b, k0, k1, up_slides, (left, 0 if up_slides else -1)))
-    return blocks
+    sq, sk = b - a, k1 - k0
+    c = sk - sq
+    left = -1 if lo is None or (sq - 1) + c - (lo + k1 - b) <= 0 else lo + k1 - b
+    right = -1 if up is None or c + (up + b - k1) >= sk - 1 else up + b - k1
+    return [Block(a, b, k0, k1, right == 0, (left, right))]
 
 
 def visible_blocks(mask: MaskSpec, qs: int, qe: int, ks: int, ke: int) -> list[Block]:
-    """Exact cover of the visible pairs of ``[qs, qe) x [ks, ke)`` by flash-expressible blocks."""
+    """Exact cover of the visible pairs of ``[qs, qe) x [ks, ke)`` by flash-expressible blocks:
+    one per chunk the ranges share (one in all without chunks)."""
     if mask.chunk is None:
-        return _band_blocks(qs, qe, ks, ke, mask.lower, mask.upper)
+        return _band_block(qs, qe, ks, ke, mask.lower, mask.upper)
     c = mask.chunk
     out: list[Block] = []
     if qs >= qe or ks >= ke:
         return out
     for n in range(max(qs // c, ks // c), min((qe - 1) // c, (ke - 1) // c) + 1):
         a, b = n * c, (n + 1) * c
-        out += _band_blocks(max(qs, a), min(qe, b), max(ks, a), min(ke, b), mask.lower, mask.upper)
+        out += _band_block(max(qs, a), min(qe, b), max(ks, a), min(ke, b), mask.lower, mask.upper)
     return out
 
 

@@ -2,8 +2,12 @@
 
 A sharding is a list of *segments* per rank: ``(seq, start, end)`` position ranges of one
 sequence. A rank's local tokens are its segments concatenated in order. Everything
-downstream (plans, schedules) works from these segments, never from the dual-chunk shape,
+downstream (plans, schedules) works from these segments, never from one balance's shape,
 so any assignment of token ranges to ranks that partitions the batch is valid.
+
+Segments are kept as numpy arrays (a 1M-token batch at cp 64 has tens of thousands of
+them); :attr:`CPSharding.segments` gives the readable tuple form. Shardings pickle without
+their plan cache, so a data-loader worker can build them ahead of the step.
 
 Shape legend: ``T`` global tokens, ``t`` one rank's tokens.
 """
@@ -12,12 +16,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
+import numpy as np
 import torch
 
-__all__ = ["Segment", "CPSharding", "shard_sequences", "check_cu_seqlens"]
+from .masks import MaskSpec
 
-BALANCES = ("dualchunk", "contiguous")
+__all__ = ["Segment", "CPSharding", "shard_sequences", "check_cu_seqlens", "BALANCES"]
+
+BALANCES = ("workload", "dualchunk", "contiguous")
+"""Built-in assignments (``shard_sequences(balance=...)``); the first is the default."""
 
 
 @dataclass(frozen=True)
@@ -56,17 +65,11 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor | Sequence[int], name: str = "cu_s
         raise ValueError(f"{name} must hold at least one entry (the leading 0)")
     if cu[0] != 0:
         raise ValueError(f"{name} must start at 0, got {cu[0]}")
-    for i in range(1, len(cu)):
-        if cu[i] < cu[i - 1]:
-            raise ValueError(
-                f"{name} must be non-decreasing (sequence lengths >= 0); entry {i} is {cu[i]} < {cu[i - 1]}"
-            )
+    steps = np.diff(np.asarray(cu, dtype=np.int64))
+    if (steps < 0).any():
+        i = int(np.nonzero(steps < 0)[0][0]) + 1
+        raise ValueError(f"{name} must be non-decreasing (sequence lengths >= 0); entry {i} is {cu[i]} < {cu[i - 1]}")
     return cu
-
-
-def _even_cuts(length: int, pieces: int) -> list[int]:
-    """Cut points of ``length`` into ``pieces`` parts whose sizes differ by at most one."""
-    return [(i * length) // pieces for i in range(pieces + 1)]
 
 
 @dataclass(eq=False)
@@ -82,30 +85,27 @@ class CPSharding:
     """Global prefix sums of sequence lengths (host ints)."""
     cp_size: int
     """Number of context-parallel ranks."""
-    segments: tuple[tuple[Segment, ...], ...]
-    """Per rank, its position ranges in local order."""
+    seg: np.ndarray
+    """``[S, 3]`` int64 ``(seq, start, end)`` rows, rank after rank, each rank in local order."""
+    rank_ptr: np.ndarray
+    """``[cp_size + 1]``: rank r's segments are ``seg[rank_ptr[r]:rank_ptr[r + 1]]``."""
     balance: str = "custom"
-    """How the segments were chosen ("dualchunk", "contiguous" or "custom")."""
-    _global_index: list[torch.Tensor] = field(default_factory=list, repr=False)
+    """How the segments were chosen (one of :data:`BALANCES`, or "custom")."""
+    _cache: dict = field(default_factory=dict, repr=False)
     _plans: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
-        if len(self.segments) != self.cp_size:
-            raise ValueError(f"segments must list {self.cp_size} ranks, got {len(self.segments)}")
-        covered = torch.zeros(self.cu_seqlens[-1], dtype=torch.int32)
-        for r, segs in enumerate(self.segments):
-            rows = []
-            for s in segs:
-                n = self.seq_len(s.seq) if 0 <= s.seq < self.num_seqs else -1
-                if n < 0 or not 0 <= s.start <= s.end <= n:
-                    raise ValueError(f"segment {s} of rank {r} lies outside its sequence")
-                base = self.cu_seqlens[s.seq]
-                rows.append(torch.arange(base + s.start, base + s.end, dtype=torch.long))
-            idx = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long)
-            covered.index_add_(0, idx, torch.ones_like(idx, dtype=torch.int32))
-            self._global_index.append(idx)
-        if not bool((covered == 1).all()):
-            raise ValueError("segments must cover every token of every sequence exactly once")
+        self.seg = np.asarray(self.seg, dtype=np.int64).reshape(-1, 3)
+        self.rank_ptr = np.asarray(self.rank_ptr, dtype=np.int64)
+        if len(self.rank_ptr) != self.cp_size + 1:
+            raise ValueError(f"segments must list {self.cp_size} ranks, got {len(self.rank_ptr) - 1}")
+        _check_partition(self.cu_seqlens, self.seg)
+
+    def __getstate__(self) -> dict:  # plans and device caches stay with the process that built them
+        state = dict(self.__dict__)
+        state["_cache"], state["_plans"] = {}, {}
+        state.pop("segments", None)
+        return state
 
     # ---- geometry -------------------------------------------------------------------------
     @property
@@ -119,28 +119,49 @@ class CPSharding:
     def seq_len(self, seq: int) -> int:
         return self.cu_seqlens[seq + 1] - self.cu_seqlens[seq]
 
+    def rank_segments(self, rank: int) -> np.ndarray:
+        """``[k, 3]`` ``(seq, start, end)`` of ``rank``'s segments in local order (a view)."""
+        return self.seg[self.rank_ptr[rank] : self.rank_ptr[rank + 1]]
+
+    @cached_property
+    def segments(self) -> tuple[tuple[Segment, ...], ...]:
+        """Per rank, its position ranges in local order (readable form of :attr:`seg`)."""
+        return tuple(tuple(Segment(*map(int, s)) for s in self.rank_segments(r)) for r in range(self.cp_size))
+
     def num_tokens(self, rank: int) -> int:
         """Number of tokens rank ``rank`` holds (ranks may differ)."""
-        return int(self._global_index[rank].numel())
+        s = self.rank_segments(rank)
+        return int((s[:, 2] - s[:, 1]).sum())
 
     def counts(self) -> list[int]:
         return [self.num_tokens(r) for r in range(self.cp_size)]
 
+    def _expand(self, rank: int, base: np.ndarray) -> torch.Tensor:
+        """``base[i] + j`` for every token j of segment i, in local order."""
+        s = self.rank_segments(rank)
+        n = s[:, 2] - s[:, 1]
+        idx = np.repeat(base - (np.cumsum(n) - n), n) + np.arange(int(n.sum()), dtype=np.int64)
+        return torch.from_numpy(idx)
+
     def global_index(self, rank: int) -> torch.Tensor:
         """Global token index (into the unsharded THD batch) of each of ``rank``'s tokens."""
-        return self._global_index[rank]
+        key = ("global", rank)
+        if key not in self._cache:
+            s = self.rank_segments(rank)
+            cu = np.asarray(self.cu_seqlens, dtype=np.int64)
+            self._cache[key] = self._expand(rank, cu[s[:, 0]] + s[:, 1])
+        return self._cache[key]
 
     def positions(self, rank: int) -> torch.Tensor:
         """Position inside its sequence of each of ``rank``'s tokens (for RoPE)."""
-        parts = [torch.arange(s.start, s.end, dtype=torch.long) for s in self.segments[rank]]
-        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+        return self._expand(rank, self.rank_segments(rank)[:, 1].copy())
 
     # ---- data movement --------------------------------------------------------------------
     def shard(self, x: torch.Tensor, rank: int, dim: int = 0) -> torch.Tensor:
         """Global tokens along ``dim`` -> the tokens ``rank`` holds, in its local order."""
         if x.shape[dim] != self.total_tokens:
             raise ValueError(f"x has {x.shape[dim]} tokens along dim {dim}, cu_seqlens describe {self.total_tokens}")
-        return x.index_select(dim, self._global_index[rank].to(x.device))
+        return x.index_select(dim, self.global_index(rank).to(x.device))
 
     def unshard(self, xs: Sequence[torch.Tensor], dim: int = 0) -> torch.Tensor:
         """Exact inverse of :meth:`shard`: per-rank tensors (in rank order) -> global tokens."""
@@ -152,7 +173,7 @@ class CPSharding:
                     f"rank {r}'s tensor has {x.shape[dim]} tokens, the sharding gives it {self.num_tokens(r)}"
                 )
         cat = torch.cat(list(xs), dim=dim)
-        idx = torch.cat(self._global_index).to(cat.device)
+        idx = torch.cat([self.global_index(r) for r in range(self.cp_size)]).to(cat.device)
         return torch.empty_like(cat).index_copy_(dim, idx, cat)
 
     # ---- construction ---------------------------------------------------------------------
@@ -162,38 +183,98 @@ class CPSharding:
     ) -> CPSharding:
         """A custom layout: ``segments[r]`` lists rank r's ``(seq, start, end)`` ranges."""
         cu = check_cu_seqlens(cu_seqlens)
-        segs = tuple(tuple(s if isinstance(s, Segment) else Segment(*s) for s in rank) for rank in segments)
-        return cls(cu_seqlens=tuple(cu), cp_size=len(segs), segments=segs)
+        per_rank = [np.asarray([tuple(s) if not isinstance(s, Segment) else (s.seq, s.start, s.end) for s in r],
+                               dtype=np.int64).reshape(-1, 3) for r in segments]  # fmt: skip
+        return cls._of(cu, per_rank, "custom")
+
+    @classmethod
+    def _of(cls, cu: list[int], per_rank: list[np.ndarray], balance: str) -> CPSharding:
+        ptr = np.concatenate([[0], np.cumsum([len(p) for p in per_rank])])
+        seg = np.concatenate(per_rank) if per_rank else np.zeros((0, 3), np.int64)
+        return cls(cu_seqlens=tuple(cu), cp_size=len(per_rank), seg=seg, rank_ptr=ptr, balance=balance)
 
 
-def shard_sequences(cu_seqlens: torch.Tensor | Sequence[int], cp_size: int, balance: str = "dualchunk") -> CPSharding:
+def _check_partition(cu: Sequence[int], seg: np.ndarray) -> None:
+    """Every token of every sequence in exactly one segment (vectorised: sort and compare)."""
+    cu_a = np.asarray(cu, dtype=np.int64)
+    seq, start, end = seg[:, 0], seg[:, 1], seg[:, 2]
+    nseq = len(cu_a) - 1
+    bad = (seq < 0) | (seq >= nseq) | (start < 0) | (start > end)
+    if not bad.any():
+        bad = end > (cu_a[1:] - cu_a[:-1])[seq]
+    if bad.any():
+        i = int(np.nonzero(bad)[0][0])
+        raise ValueError(f"segment {tuple(int(x) for x in seg[i])} lies outside its sequence")
+    keep = end > start
+    seq, start, end = seq[keep], start[keep], end[keep]
+    order = np.lexsort((start, seq))
+    seq, start, end = seq[order], start[order], end[order]
+    lens = cu_a[1:] - cu_a[:-1]
+    first = np.ones(len(seq), dtype=bool)
+    first[1:] = seq[1:] != seq[:-1]
+    prev_end = np.concatenate([[0], end[:-1]])
+    ok = np.where(first, start == 0, start == prev_end)
+    last = np.append(first[1:], True)
+    ok &= ~last | (end == lens[seq])
+    covered = np.zeros(nseq, dtype=bool)
+    covered[seq] = True
+    if not ok.all() or not (covered | (lens == 0)).all():
+        raise ValueError("segments must cover every token of every sequence exactly once")
+
+
+def _cuts(lens: np.ndarray, pieces: int) -> np.ndarray:
+    """``[nseq, pieces + 1]`` cut points of every sequence into near-equal parts (sizes differ by <= 1)."""
+    return (np.arange(pieces + 1, dtype=np.int64)[None, :] * lens[:, None]) // pieces
+
+
+def _take(lens_cuts: np.ndarray, c: int) -> np.ndarray:
+    """Segments of chunk ``c`` of every sequence, empty ones dropped."""
+    s, e = lens_cuts[:, c], lens_cuts[:, c + 1]
+    seq = np.arange(len(s), dtype=np.int64)
+    keep = e > s
+    return np.stack([seq[keep], s[keep], e[keep]], axis=1)
+
+
+def shard_sequences(
+    cu_seqlens: torch.Tensor | Sequence[int],
+    cp_size: int,
+    balance: str = "workload",
+    *,
+    causal: bool = True,
+    window_size: tuple[int, int] = (-1, -1),
+    chunk_size: int | None = None,
+) -> CPSharding:
     """Assign every token of a packed batch to a CP rank.
 
-    ``dualchunk``: each sequence is cut into ``2*cp_size`` chunks whose sizes differ by at most
-    one; rank r holds chunks r and ``2*cp_size-1-r`` of every sequence, sequences in order, so
-    causal work is balanced. ``contiguous``: rank r holds slice r of ``cp_size`` near-equal
-    slices of every sequence (balanced for windowed masks; neighbours exchange only halos).
-    Any lengths >= 0 are allowed; ranks may hold different token counts.
+    ``workload`` (default): short documents stay whole on one rank (their KV never travels);
+    long ones are cut at multiples of 128 positions into pieces spread over consecutive ranks,
+    so that per-rank attention work under the mask (``causal``, ``window_size``,
+    ``chunk_size`` — the mask decides the work) and per-rank tokens are both balanced. See
+    :mod:`.workload`. ``dualchunk``: each sequence is cut into ``2*cp_size`` chunks whose sizes
+    differ by at most one; rank r holds chunks r and ``2*cp_size-1-r`` of every sequence (all
+    first chunks in sequence order, then all second ones, so each step's rows are slices).
+    ``contiguous``: rank r holds slice r of ``cp_size`` near-equal slices of every sequence.
+    Any lengths >= 0 are allowed; ranks may hold different token counts. Deterministic and
+    host-only: every rank computes the same sharding without communicating.
     """
     cu = check_cu_seqlens(cu_seqlens)
-    if not isinstance(cp_size, int) or cp_size < 1:
+    if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
         raise ValueError(f"cp_size must be a positive int, got {cp_size!r}")
     if balance not in BALANCES:
         raise ValueError(f"balance must be one of {BALANCES}, got {balance!r}")
-    per_rank: list[list[Segment]] = [[] for _ in range(cp_size)]
-    for s in range(len(cu) - 1):
-        n = cu[s + 1] - cu[s]
-        if balance == "dualchunk":
-            cuts = _even_cuts(n, 2 * cp_size)
-            for r in range(cp_size):
-                for c in (r, 2 * cp_size - 1 - r):
-                    if cuts[c + 1] > cuts[c]:
-                        per_rank[r].append(Segment(s, cuts[c], cuts[c + 1]))
-        else:
-            cuts = _even_cuts(n, cp_size)
-            for r in range(cp_size):
-                if cuts[r + 1] > cuts[r]:
-                    per_rank[r].append(Segment(s, cuts[r], cuts[r + 1]))
-    return CPSharding(
-        cu_seqlens=tuple(cu), cp_size=cp_size, segments=tuple(tuple(p) for p in per_rank), balance=balance
-    )
+    mask = MaskSpec.make(causal=causal, window_size=window_size, chunk_size=chunk_size)
+    lens = np.diff(np.asarray(cu, dtype=np.int64))
+    if cp_size == 1:
+        seq = np.nonzero(lens)[0]
+        return CPSharding._of(cu, [np.stack([seq, seq * 0, lens[seq]], axis=1)], balance)
+    if balance == "workload":
+        from .workload import workload_segments
+
+        return CPSharding._of(cu, workload_segments(lens, cp_size, mask), balance)
+    if balance == "dualchunk":
+        cuts = _cuts(lens, 2 * cp_size)
+        per_rank = [np.concatenate([_take(cuts, r), _take(cuts, 2 * cp_size - 1 - r)]) for r in range(cp_size)]
+    else:
+        cuts = _cuts(lens, cp_size)
+        per_rank = [_take(cuts, r) for r in range(cp_size)]
+    return CPSharding._of(cu, per_rank, balance)

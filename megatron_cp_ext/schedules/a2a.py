@@ -18,15 +18,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from ..masks import MaskSpec
-from ..sharding import CPSharding, Segment
+from ..sharding import CPSharding
 from . import p2p
 from .common import Run
 
-__all__ = ["A2APlan", "build_plan", "attention", "kv_replication"]
+__all__ = ["A2APlan", "build_plan", "group_union", "attention", "kv_replication"]
 
 
 @dataclass
@@ -39,8 +40,8 @@ class A2APlan:
     """Row of the member-ordered receive buffer for each row in global order."""
     inv_perm: torch.Tensor
     """Inverse of ``perm``."""
-    ring: p2p.RingPlan
-    """The ring across a2a groups over the groups' token sets (one participant for ``a2a``)."""
+    ring: p2p.P2PPlan
+    """The p2p plan across a2a groups over the groups' token sets (one participant for ``a2a``)."""
     _device: dict = field(default_factory=dict, repr=False)
 
     def perms_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,32 +50,41 @@ class A2APlan:
             self._device[key] = (self.perm.to(device), self.inv_perm.to(device))
         return self._device[key]
 
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_device"] = {}
+        return state
 
-def _group_union(sharding: CPSharding, members: range) -> tuple[list[Segment], torch.Tensor, list[int]]:
-    """The members' segments in global order, and where each lies in the receive buffer."""
-    pieces, row = [], 0
-    counts = []
-    for m in members:
-        for s in sharding.segments[m]:
-            pieces.append((s.seq, s.start, s.end, row))
-            row += s.length
-        counts.append(sharding.num_tokens(m))
-    pieces.sort()
-    perm = [torch.arange(r, r + e - s, dtype=torch.long) for _, s, e, r in pieces]
-    perm_t = torch.cat(perm) if perm else torch.zeros(0, dtype=torch.long)
-    return [Segment(q, s, e) for q, s, e, _ in pieces], perm_t, counts
+
+def group_union(sharding: CPSharding, members: range) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    """The members' segments in global (sequence, position) order with adjacent ones joined,
+    the receive-buffer row of each token in that order, and the members' token counts."""
+    segs = np.concatenate([sharding.rank_segments(m) for m in members])
+    n = segs[:, 2] - segs[:, 1]
+    rows = np.cumsum(n) - n  # where each segment lands in the member-ordered receive buffer
+    keep = n > 0
+    segs, n, rows = segs[keep], n[keep], rows[keep]
+    order = np.lexsort((segs[:, 1], segs[:, 0]))
+    segs, n, rows = segs[order], n[order], rows[order]
+    perm = np.repeat(rows - (np.cumsum(n) - n), n) + np.arange(int(n.sum()))
+    joined = np.ones(len(segs), dtype=bool)
+    joined[1:] = (segs[1:, 0] != segs[:-1, 0]) | (segs[1:, 1] != segs[:-1, 2])
+    first = np.nonzero(joined)[0]
+    last = np.append(first[1:], len(segs)) - 1
+    union = np.stack([segs[first, 0], segs[first, 1], segs[last, 2]], axis=1) if len(segs) else segs
+    return union, perm, [sharding.num_tokens(m) for m in members]
 
 
 def build_plan(sharding: CPSharding, a2a_size: int, cp_rank: int, mask: MaskSpec) -> A2APlan:
     """Plan for CP rank ``cp_rank`` = ``p2p_rank * a2a_size + a2a_rank``."""
     groups = sharding.cp_size // a2a_size
-    unions = [_group_union(sharding, range(g * a2a_size, (g + 1) * a2a_size)) for g in range(groups)]
+    unions = [group_union(sharding, range(g * a2a_size, (g + 1) * a2a_size)) for g in range(groups)]
     me = cp_rank // a2a_size
-    segs = [u[0] for u in unions]
-    perm, counts = unions[me][1], unions[me][2]
-    inv = torch.empty_like(perm)
-    inv[perm] = torch.arange(perm.numel())
-    return A2APlan(counts, perm, inv, p2p.build_plan(segs, segs, me, mask))
+    _, perm, counts = unions[me]
+    perm_t = torch.from_numpy(perm.astype(np.int64))
+    inv = torch.empty_like(perm_t)
+    inv[perm_t] = torch.arange(perm_t.numel())
+    return A2APlan(counts, perm_t, inv, p2p.build_plan([u[0] for u in unions], me, mask))
 
 
 def kv_replication(hq: int, hkv: int, a2a_size: int) -> int:

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..comm import all_gather_padded, reduce_scatter_padded
 from ..masks import MaskSpec
-from ..plan import StepPlan, layout_of, plan_step
-from ..sharding import Segment
+from ..plan import Layout, StepPlan, plan_steps
 from .common import Run, new_accumulators, pack_kv, step_backward, step_forward
 
 __all__ = ["GatherPlan", "build_plan", "forward", "backward"]
@@ -31,13 +31,14 @@ class GatherPlan:
     """Local queries against the whole gathered KV."""
 
 
-def build_plan(
-    q_segments: list[tuple[Segment, ...]], kv_segments: list[tuple[Segment, ...]], rank: int, mask: MaskSpec
-) -> GatherPlan:
-    counts = [sum(s.length for s in segs) for segs in kv_segments]
+def build_plan(segments: list[np.ndarray], rank: int, mask: MaskSpec) -> GatherPlan:
+    """Rank ``rank``'s calls against the gathered KV; ``segments[j]``: rank j's ``[k, 3]`` ranges."""
+    counts = [int((s[:, 2] - s[:, 1]).sum()) for s in segments]
     pad = max(counts)
-    kv_layout = [p for j, segs in enumerate(kv_segments) for p in layout_of(segs, j * pad)]
-    return GatherPlan(counts, pad, plan_step(layout_of(q_segments[rank]), kv_layout, mask))
+    kv = Layout.concat([Layout.packed(s[:, 0], s[:, 1], s[:, 2], row0=j * pad) for j, s in enumerate(segments)])
+    mine = segments[rank]
+    plans = plan_steps(Layout.packed(mine[:, 0], mine[:, 1], mine[:, 2]), kv, mask)
+    return GatherPlan(counts, pad, plans.get(0, StepPlan([])))
 
 
 def _gather(run: Run, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -75,7 +75,8 @@ class AttnCase:
     def sharding(self, cp: int) -> mcx.CPSharding:
         if self.segments is not None:
             return mcx.CPSharding.from_segments(self.cu_seqlens, self.segments)
-        return mcx.shard_sequences(torch.tensor(self.cu_seqlens, dtype=torch.int32), cp, self.balance)
+        mask = dict(causal=self.causal, window_size=self.window_size, chunk_size=self.chunk_size)
+        return mcx.shard_sequences(torch.tensor(self.cu_seqlens, dtype=torch.int32), cp, self.balance, **mask)
 
     def inputs(self) -> tuple[torch.Tensor, ...]:
         """Global q, k, v, dout in float64 (cast per case)."""

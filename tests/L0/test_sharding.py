@@ -16,7 +16,7 @@ def _random_cu(rng: random.Random, n: int, max_len: int) -> list[int]:
     return cu
 
 
-@pytest.mark.parametrize("balance", ["dualchunk", "contiguous"])
+@pytest.mark.parametrize("balance", mcx.BALANCES)
 @pytest.mark.parametrize("cp", [1, 2, 3, 4, 8])
 def test_round_trip_random_lengths(cp, balance):
     rng = random.Random(cp)
@@ -34,8 +34,11 @@ def test_round_trip_random_lengths(cp, balance):
 
 
 def test_dualchunk_layout():
-    # one sequence of 10 tokens, cp=2 -> 4 chunks of sizes 2,3,2,3 (cuts at 0,2,5,7,10)
-    sh = mcx.shard_sequences([0, 10], 2)
+    # one sequence of 10 tokens, cp=2 -> 4 chunks of sizes 2,3,2,3 (cuts at 0,2,5,7,10); with
+    # several sequences a rank holds all its first chunks, then all its second ones
+    sh2 = mcx.shard_sequences([0, 4, 8], 2, "dualchunk")
+    assert sh2.segments[0] == (Segment(0, 0, 1), Segment(1, 0, 1), Segment(0, 3, 4), Segment(1, 3, 4))
+    sh = mcx.shard_sequences([0, 10], 2, "dualchunk")
     assert sh.segments[0] == (Segment(0, 0, 2), Segment(0, 7, 10))
     assert sh.segments[1] == (Segment(0, 2, 5), Segment(0, 5, 7))
     assert sh.positions(0).tolist() == [0, 1, 7, 8, 9]
@@ -44,7 +47,7 @@ def test_dualchunk_layout():
 
 def test_dualchunk_chunk_sizes_differ_by_at_most_one():
     for n in range(0, 50):
-        sh = mcx.shard_sequences([0, n], 3)
+        sh = mcx.shard_sequences([0, n], 3, "dualchunk")
         sizes = [s.length for segs in sh.segments for s in segs]
         if sizes:
             assert max(sizes) - min(sizes) <= 1 or min(sizes) == 0

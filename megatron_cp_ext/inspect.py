@@ -1,0 +1,261 @@
+"""``inspect_plan``: the exact, public account of what a plan makes every rank do.
+
+The plan a rank would build inside :func:`~megatron_cp_ext.cp_attention` is built here on
+the host and described without running anything: its varlen calls in execution order (with
+their ``cu_seqlens``, mask alignment and gathered rows), the attention work of its queries,
+the bytes it sends and receives forward and backward, and the tile area a flash kernel
+visits. Benchmarks, the planner and outside tools read plans only through this.
+
+Counting conventions (all per layer):
+
+* ``work`` — visible (query, key) pairs this rank computes, summed over the heads it computes
+  and divided by ``num_heads`` (a2a ranks compute ``1/A`` of the heads of ``A`` ranks'
+  tokens), so ranks of every comm type sum to the batch's visible pairs per head;
+* ``useful`` / ``tile_area`` — score entries the calls need and entries of the 128x128 tiles
+  they touch (per head): their ratio is the tile efficiency;
+* bytes — every message of the schedule: KV (and for a2a queries and outputs) in ``dtype``,
+  dK/dV partials and reductions in fp32; ``bytes_needed`` is the KV of other ranks that this
+  rank's queries see, the least any schedule must deliver.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from .geometry import BIG, band_count, tile_area
+from .masks import MaskSpec
+from .plan import Layout, StepPlan, visible_rows
+from .schedules import build_plan
+from .schedules.a2a import A2APlan
+from .schedules.all_gather import GatherPlan
+from .schedules.p2p_plan import P2PPlan
+from .sharding import CPSharding
+
+__all__ = ["inspect_plan", "PlanReport", "RankReport", "CallReport"]
+
+COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
+
+
+@dataclass(frozen=True)
+class CallReport:
+    """One forward varlen call."""
+
+    step: int
+    """0: the own block (or the gathered keys); s >= 1: the block received at p2p step s."""
+    cu_seqlens_q: list[int]
+    cu_seqlens_k: list[int]
+    causal: bool
+    window: tuple[int, int]
+    """Flash ``(left, right)`` window; -1 = unbounded."""
+    gathered_rows: int
+    """Query and key rows copied for the call (0: both sides are slices)."""
+    useful: int
+    """Score entries the call needs, per head."""
+    tile_area: int
+    """Entries of the 128x128 tiles the call touches, per head."""
+
+
+@dataclass
+class RankReport:
+    """What one CP rank's plan does per layer."""
+
+    rank: int
+    tokens: int
+    """Tokens this rank holds."""
+    padding: int
+    """Pad rows this rank adds to its KV for the comm type (all_gather: up to the largest count)."""
+    work: int
+    """Visible (query, key) pairs it computes, per head (see the module docstring)."""
+    calls: list[CallReport]
+    """Forward varlen calls in execution order."""
+    bytes_sent: dict[str, int]
+    """``{"forward": ..., "backward": ...}``."""
+    bytes_received: dict[str, int]
+    bytes_needed: dict[str, int]
+    """KV of other ranks its queries see (forward), and those rows' fp32 dK/dV (backward)."""
+    send_gathered_rows: int = 0
+    """Rows packed by a gather before sending (fragmented p2p selections, a2a permutations)."""
+    plan_ms: float = 0.0
+    """Host time to build this rank's plan."""
+
+    @property
+    def useful(self) -> int:
+        return sum(c.useful for c in self.calls)
+
+    @property
+    def tile_area(self) -> int:
+        return sum(c.tile_area for c in self.calls)
+
+    @property
+    def gathered_rows(self) -> int:
+        return sum(c.gathered_rows for c in self.calls) + self.send_gathered_rows
+
+
+@dataclass
+class PlanReport:
+    """Per rank reports (``ranks[i]`` for every planned rank i) and batch-level totals."""
+
+    comm_type: str
+    cp_size: int
+    mask: MaskSpec
+    kv_row_bytes: int
+    """Bytes of one token's K and V in ``dtype``."""
+    total_tokens: int
+    ranks: dict[int, RankReport] = field(default_factory=dict)
+
+    def _sum(self, f) -> float:
+        return float(sum(f(r) for r in self.ranks.values()))
+
+    @property
+    def work_imbalance(self) -> float:
+        """Largest per-rank work over the mean (planned ranks)."""
+        w = [r.work for r in self.ranks.values()]
+        return max(w) / max(np.mean(w), 1e-30)
+
+    @property
+    def tile_efficiency(self) -> float:
+        return self._sum(lambda r: r.useful) / max(self._sum(lambda r: r.tile_area), 1.0)
+
+    @property
+    def sent_over_needed(self) -> float:
+        """Forward bytes sent over bytes needed (1.0: nothing moves that is not looked at)."""
+        need = self._sum(lambda r: r.bytes_needed["forward"])
+        sent = self._sum(lambda r: r.bytes_sent["forward"])
+        return sent / need if need else (1.0 if not sent else float("inf"))
+
+
+def _call_reports(step: int, plan: StepPlan) -> list[CallReport]:
+    out = []
+    for c in plan.calls:
+        e = c.entries
+        nq, nk = e[:, 1] - e[:, 0], e[:, 3] - e[:, 2]
+        left, right = c.window
+        useful = band_count(nq, nk, nk - nq, BIG if left < 0 else left, BIG if right < 0 else right)
+        tiles = tile_area(nq, nk, np.full(len(nq), left), np.full(len(nq), right))
+        out.append(CallReport(
+            step, c.cu_seqlens_q.tolist(), c.cu_seqlens_k.tolist(), c.causal, c.window, c.gathered_rows,
+            int(useful.sum()), int(tiles.sum()),
+        ))  # fmt: skip
+    return out
+
+
+def _needed_rows(sharding: CPSharding, rank: int, mask: MaskSpec) -> int:
+    """Rows of other ranks' KV that this rank's queries see."""
+    segs = [sharding.rank_segments(r) for r in range(sharding.cp_size)]
+    mine = Layout.packed(segs[rank][:, 0], segs[rank][:, 1], segs[rank][:, 2])
+    others = [Layout.packed(s[:, 0], s[:, 1], s[:, 2], buf=j) for j, s in enumerate(segs) if j != rank]
+    _, _, lo, hi = visible_rows(mine, Layout.concat(others), mask)
+    return int((hi - lo).sum())
+
+
+def _p2p_bytes(plan: P2PPlan, kv_row: int, grad_row: int) -> tuple[dict, dict, int]:
+    sent = sum(st.send.n for st in plan.steps)
+    recv = sum(st.recv.n for st in plan.steps)
+    packed = sum(st.send.n for st in plan.steps if st.send.packed)
+    return (
+        {"forward": sent * kv_row, "backward": sent * kv_row + recv * grad_row},
+        {"forward": recv * kv_row, "backward": recv * kv_row + sent * grad_row},
+        packed,
+    )
+
+
+def _rank_report(sharding, comm_type, rank, a2a_size, mask, shapes) -> RankReport:
+    hq, hkv, d, dv, es = shapes
+    cp = sharding.cp_size
+    t0 = time.perf_counter()
+    plan = build_plan(sharding, comm_type, rank, a2a_size or 1, mask)
+    plan_ms = (time.perf_counter() - t0) * 1e3
+    tokens = sharding.num_tokens(rank)
+    kv_row, grad_row = hkv * (d + dv) * es, hkv * (d + dv) * 4
+    sent = {"forward": 0, "backward": 0}
+    recv = {"forward": 0, "backward": 0}
+    padding, packed, heads_share = 0, 0, 1.0
+    if isinstance(plan, GatherPlan):
+        calls = _call_reports(0, plan.step)
+        if cp > 1:
+            padding = plan.pad - tokens
+            block = (cp - 1) * plan.pad
+            sent = {"forward": block * kv_row, "backward": block * (kv_row + grad_row)}
+            recv = dict(sent)
+    elif isinstance(plan, P2PPlan):
+        calls = _call_reports(0, plan.own) + [c for st in plan.steps for c in _call_reports(st.slot, st.plan)]
+        sent, recv, packed = _p2p_bytes(plan, kv_row, grad_row)
+    else:
+        assert isinstance(plan, A2APlan)
+        a = len(plan.counts)
+        heads_share = 1.0 / a
+        ring = plan.ring
+        calls = _call_reports(0, ring.own) + [c for st in ring.steps for c in _call_reports(st.slot, st.plan)]
+        rep = max(1, a // hkv) if hkv % a else 1
+        kv_h = hkv * rep / a  # KV heads per member after the all-to-all
+        others = sum(plan.counts) - tokens
+        # queries and KV out to the other members, outputs back (forward); grads mirror it
+        q_row, o_row, kvh_row = hq / a * d * es, hq / a * dv * es, kv_h * (d + dv) * es
+        fwd_out = (a - 1) * tokens * (q_row + kvh_row) + others * o_row
+        fwd_in = others * (q_row + kvh_row) + (a - 1) * tokens * o_row
+        bwd_out = (a - 1) * tokens * (o_row + q_row + kvh_row) + others * (q_row + kvh_row)
+        bwd_in = others * (o_row + q_row + kvh_row) + (a - 1) * tokens * (q_row + kvh_row)
+        rs, rr, packed = _p2p_bytes(ring, int(kvh_row), int(kv_h * (d + dv) * 4))
+        sent = {"forward": int(fwd_out) + rs["forward"], "backward": int(bwd_out) + rs["backward"]}
+        recv = {"forward": int(fwd_in) + rr["forward"], "backward": int(bwd_in) + rr["backward"]}
+        packed += len(plan.perm) if a > 1 else 0
+    need = _needed_rows(sharding, rank, mask) if cp > 1 else 0
+    useful = sum(c.useful for c in calls)
+    return RankReport(
+        rank=rank, tokens=tokens, padding=padding, work=int(round(useful * heads_share)), calls=calls,
+        bytes_sent=sent, bytes_received=recv,
+        bytes_needed={"forward": need * kv_row, "backward": need * grad_row},
+        send_gathered_rows=packed, plan_ms=plan_ms,
+    )  # fmt: skip
+
+
+def inspect_plan(
+    sharding: CPSharding,
+    comm_type: str = "p2p",
+    causal: bool = True,
+    window_size: tuple[int, int] = (-1, -1),
+    chunk_size: int | None = None,
+    a2a_size: int | None = None,
+    num_heads: int = 64,
+    num_kv_heads: int = 8,
+    head_dim: int = 128,
+    v_head_dim: int | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    ranks: Sequence[int] | None = None,
+) -> PlanReport:
+    """Build the plans ``cp_attention`` would build for ``sharding`` and report them.
+
+    ``a2a_size``: ranks per a2a group for ``a2a+p2p`` (required there; ``a2a`` uses the whole
+    CP group). ``ranks``: plan only these ranks (default: all). The head counts, head dims and
+    dtype only scale bytes; plans do not depend on them.
+    """
+    if comm_type not in COMM_TYPES:
+        raise ValueError(f"comm_type must be one of {COMM_TYPES}, got {comm_type!r}")
+    if not isinstance(sharding, CPSharding):
+        raise ValueError(f"sharding must be a CPSharding (from shard_sequences), got {type(sharding).__name__}")
+    cp = sharding.cp_size
+    if comm_type == "a2a":
+        a2a_size = cp
+    elif comm_type == "a2a+p2p":
+        if a2a_size is None or not isinstance(a2a_size, int) or a2a_size < 1 or cp % a2a_size:
+            raise ValueError(f"a2a_size must be a positive divisor of the CP size ({cp}) for a2a+p2p, got {a2a_size}")
+    for name, val in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+        if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+            raise ValueError(f"{name} must be a positive int, got {val!r}")
+    dv = head_dim if v_head_dim is None else v_head_dim
+    mask = MaskSpec.make(causal=causal, window_size=window_size, chunk_size=chunk_size)
+    es = torch.empty(0, dtype=dtype).element_size()
+    chosen = range(cp) if ranks is None else list(ranks)
+    for r in chosen:
+        if not isinstance(r, int) or not 0 <= r < cp:
+            raise ValueError(f"ranks must hold ranks in [0, {cp}), got {r!r}")
+    report = PlanReport(comm_type, cp, mask, num_kv_heads * (head_dim + dv) * es, sharding.total_tokens)
+    shapes = (num_heads, num_kv_heads, head_dim, dv, es)
+    for r in chosen:
+        report.ranks[r] = _rank_report(sharding, comm_type, r, a2a_size, mask, shapes)
+    return report

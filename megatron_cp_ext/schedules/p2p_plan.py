@@ -1,0 +1,155 @@
+"""Host plan of the ``p2p`` schedule: which KV rows go where, and the calls run on them.
+
+Traffic is exactly the need. Participant ``o`` sends participant ``u`` the rows of its KV
+block that some query of ``u`` sees — directly, once, nothing relayed — and ``u`` sends the
+fp32 dK/dV partial of exactly those rows straight back in backward. Transfers are ordered
+like a ring's steps: at step ``s`` (1 .. n-1) participant r sends to ``r + s`` and receives
+from ``r - s``, so every step is a permutation (each participant sends one block and
+receives one) and two participants always meet at the same step from both sides. A step
+with nothing to send and nothing to receive is skipped by that participant, so a layout
+whose documents span neighbouring ranks only exchanges halos, and one that keeps every
+document whole on one rank never communicates.
+
+Rows that travel are selected as a few slices of the owner's block (one per range: sent
+as separate messages, received into consecutive slices, no copy) or, when fragmented,
+packed by one gather. Every size is known here, on the host: nothing in forward or backward
+reads a device value to decide what to send.
+
+Names: ``ranges`` are ``[m, 2]`` int64 arrays of half-open row ranges of one buffer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..masks import MaskSpec
+from ..plan import Layout, StepPlan, plan_steps, visible_rows
+
+__all__ = ["Rows", "Step", "P2PPlan", "CommRows", "build_plan", "MAX_MESSAGES"]
+
+MAX_MESSAGES = 8
+"""Row ranges sent as separate messages (views); more fragmented selections are packed."""
+
+
+@dataclass
+class Rows:
+    """A planned selection of buffer rows: slices, or one gather index when fragmented."""
+
+    ranges: np.ndarray
+    """``[m, 2]`` half-open row ranges, in order."""
+    _dev: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def n(self) -> int:
+        return int((self.ranges[:, 1] - self.ranges[:, 0]).sum())
+
+    @property
+    def packed(self) -> bool:
+        """Whether the rows are gathered into one buffer (else each range is a view)."""
+        return len(self.ranges) > MAX_MESSAGES
+
+    def index_on(self, device: torch.device) -> torch.Tensor:
+        """The gather index on ``device`` (uploaded once)."""
+        key = str(device)
+        if key not in self._dev:
+            n = self.ranges[:, 1] - self.ranges[:, 0]
+            idx = np.repeat(self.ranges[:, 0] - (np.cumsum(n) - n), n) + np.arange(int(n.sum()))
+            self._dev[key] = torch.from_numpy(idx).to(device, non_blocking=True)
+        return self._dev[key]
+
+    def __getstate__(self) -> dict:
+        return {"ranges": self.ranges, "_dev": {}}
+
+
+@dataclass
+class Step:
+    """This participant's part in one step: what arrives, what it computes, what it sends."""
+
+    slot: int
+    """Step number s: receive from ``rank - s``, send to ``rank + s``."""
+    src: int
+    """Participant whose rows arrive (``rank - slot``)."""
+    recv: Rows
+    """Rows of ``src``'s block that arrive (its row numbers), packed in this order."""
+    plan: StepPlan
+    """Local queries against the received rows."""
+    dst: int
+    """Participant that gets rows of the own block (``rank + slot``)."""
+    send: Rows
+    """Own rows sent to ``dst``; their dK/dV partials come back from it in backward."""
+
+
+@dataclass(frozen=True)
+class CommRows:
+    """Rows one participant moves per layer in forward (backward moves as many KV rows again,
+    and returns as many fp32 dK/dV rows)."""
+
+    sent: int
+    received: int
+    needed: int
+    """Received rows its queries see: the least any schedule must deliver (= ``received``)."""
+
+
+@dataclass
+class P2PPlan:
+    """Per-participant plan of the ``p2p`` schedule (built once per micro-batch on the host)."""
+
+    counts: list[int]
+    """Rows of each participant's KV block."""
+    rank: int
+    own: StepPlan
+    """Local queries against the own block."""
+    steps: list[Step]
+    """Steps with anything to send or receive, in slot order."""
+    rows: CommRows
+
+    @property
+    def num_steps(self) -> int:
+        return 1 + len(self.steps)
+
+
+def _ranges(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    return np.stack([lo, hi], axis=1).astype(np.int64).reshape(-1, 2)
+
+
+def _recv_layout(owner: Layout, ranges: np.ndarray, buf: int) -> Layout:
+    """Layout of a buffer packing ``ranges`` of a block laid out as ``owner`` (rows ascending)."""
+    row_end = owner.row + (owner.end - owner.start)
+    i0 = np.searchsorted(row_end, ranges[:, 0], "right")  # first segment of each range
+    i1 = np.searchsorted(owner.row, ranges[:, 1], "left")  # one past its last segment
+    cnt = np.maximum(i1 - i0, 0)
+    r = np.repeat(np.arange(len(ranges)), cnt)
+    i = np.repeat(i0, cnt) + np.arange(len(r)) - np.repeat(np.cumsum(cnt) - cnt, cnt)
+    lo = np.maximum(ranges[r, 0], owner.row[i])
+    hi = np.minimum(ranges[r, 1], row_end[i])
+    a = owner.start[i] + (lo - owner.row[i])
+    return Layout.packed(owner.seq[i], a, a + (hi - lo), buf=buf)
+
+
+def build_plan(segments: list[np.ndarray], rank: int, mask: MaskSpec) -> P2PPlan:
+    """Plan for participant ``rank``; participant i holds the queries and the KV block laid out
+    by ``segments[i]`` (``[k, 3]`` ``(seq, start, end)`` in local order)."""
+    n = len(segments)
+    lay = [Layout.packed(s[:, 0], s[:, 1], s[:, 2]) for s in segments]
+    mine = lay[rank]
+    others = [o for o in range(n) if o != rank]
+    with_buf = lambda ly, b: Layout(ly.seq, ly.start, ly.end, ly.row, np.full(len(ly), b, np.int64))  # noqa: E731
+    # what arrives at step s from rank - s, and what leaves at step s for rank + s
+    _, kb, lo, hi = visible_rows(mine, Layout.concat([with_buf(lay[o], (rank - o) % n) for o in others]), mask)
+    qb, _, olo, ohi = visible_rows(Layout.concat([with_buf(lay[u], (u - rank) % n) for u in others]), mine, mask)
+    recv_of = {int(s): _ranges(lo[kb == s], hi[kb == s]) for s in np.unique(kb)}
+    send_of = {int(s): _ranges(olo[qb == s], ohi[qb == s]) for s in np.unique(qb)}
+    bufs = [with_buf(mine, 0)] + [_recv_layout(lay[(rank - s) % n], r, s) for s, r in recv_of.items()]
+    plans = plan_steps(mine, Layout.concat(bufs), mask)
+    empty = np.zeros((0, 2), np.int64)
+    steps = []
+    for s in sorted(set(recv_of) | set(send_of)):
+        recv, send = Rows(recv_of.get(s, empty)), Rows(send_of.get(s, empty))
+        steps.append(Step(s, (rank - s) % n, recv, plans.get(s, StepPlan([])), (rank + s) % n, send))
+    received = sum(st.recv.n for st in steps)
+    rows = CommRows(sent=sum(st.send.n for st in steps), received=received, needed=received)
+    counts = [int((s[:, 2] - s[:, 1]).sum()) for s in segments]
+    return P2PPlan(counts, rank, plans.get(0, StepPlan([])), steps, rows)

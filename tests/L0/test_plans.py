@@ -1,0 +1,181 @@
+"""Host plans against brute force: every visible (q, k) pair computed exactly once and nothing
+else, every call flash-expressible, p2p sends matching receives with exactly the needed rows,
+and the shapes the GPU wants (slices, few calls) where the layout allows them."""
+
+import pickle
+import random
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+
+import megatron_cp_ext as mcx
+from megatron_cp_ext.masks import MaskSpec
+from megatron_cp_ext.plan import Layout, plan_steps
+from megatron_cp_ext.schedules import a2a, all_gather, p2p
+from megatron_cp_ext.testing.cases import PLAN_MASKS
+from megatron_cp_ext.testing.plancheck import call_pairs, check_p2p_plans, token_ids, visible_pairs
+
+
+def _random_layout(rng: random.Random, lens: list[int], nbuf: int) -> Layout:
+    """Sequences cut at random points, pieces on random buffers in random order and offsets."""
+    per = [[] for _ in range(nbuf)]
+    for s, n in enumerate(lens):
+        cuts = sorted({0, n, *(rng.randint(0, n) for _ in range(rng.randint(0, 4)))})
+        for a, b in zip(cuts[:-1], cuts[1:]):
+            per[rng.randrange(nbuf)].append((s, a, b))
+    parts = []
+    for b, p in enumerate(per):
+        rng.shuffle(p)
+        if p:
+            parts.append(Layout.packed(*zip(*p), row0=rng.randint(0, 3), buf=b))
+    return Layout.concat(parts)
+
+
+def _ids(lay: Layout) -> dict:
+    return {(int(bf), int(r) + i): (int(s), int(a) + i)
+            for s, a, b, r, bf in zip(lay.seq, lay.start, lay.end, lay.row, lay.buf) for i in range(b - a)}  # fmt: skip
+
+
+@pytest.mark.parametrize("mask_kw", PLAN_MASKS, ids=str)
+def test_plan_steps_exact_cover_random_layouts(mask_kw):
+    mask = MaskSpec.make(**mask_kw)
+    rng = random.Random(PLAN_MASKS.index(mask_kw))
+    for _ in range(60):
+        lens = [rng.choice([0, 1, 2, 5, 9, 14, 23, 31]) for _ in range(rng.randint(1, 4))]
+        q, kv = _random_layout(rng, lens, 1), _random_layout(rng, lens, rng.randint(1, 3))
+        qid, kid = _ids(q), _ids(kv)
+        seen = Counter()
+        for b, step in plan_steps(q, kv, mask).items():
+            rows_q = max((r for bf, r in qid), default=-1) + 1
+            rows_k = max((r for bf, r in kid if bf == b), default=-1) + 1
+            seen += call_pairs(step, [qid.get((0, i)) for i in range(rows_q)],
+                               [(b, kid.get((b, i))) for i in range(rows_k)])  # fmt: skip
+        want = {(qt, (b, kt)) for (_, _), qt in qid.items() for (b, _), kt in kid.items()
+                if qt[0] == kt[0] and mask.visible(qt[1], kt[1])}  # fmt: skip
+        assert set(seen) == want and set(seen.values()) <= {1}
+
+
+def _random_sharding(rng: random.Random, cp: int, lens: list[int]) -> mcx.CPSharding:
+    per_rank = [[] for _ in range(cp)]
+    for s, n in enumerate(lens):
+        cuts = sorted({0, n, *(rng.randint(0, n) for _ in range(rng.randint(1, 6)))})
+        for a, b in zip(cuts[:-1], cuts[1:]):
+            per_rank[rng.randrange(cp)].append((s, a, b))
+    for segs in per_rank:
+        rng.shuffle(segs)
+    return mcx.CPSharding.from_segments([0, *np.cumsum(lens).tolist()], per_rank)
+
+
+def _shardings(rng: random.Random, cp: int, mask_kw: dict) -> list[mcx.CPSharding]:
+    lens = [rng.choice([0, 1, 3, 7, 12, 19, 30]) for _ in range(rng.randint(1, 4))]
+    cu = [0, *np.cumsum(lens).tolist()]
+    return [mcx.shard_sequences(cu, cp, b, **mask_kw) for b in mcx.BALANCES] + [_random_sharding(rng, cp, lens)]
+
+
+@pytest.mark.parametrize("mask_kw", PLAN_MASKS, ids=str)
+def test_p2p_plans_cover_match_and_move_only_needed_rows(mask_kw):
+    mask = MaskSpec.make(**mask_kw)
+    rng = random.Random(10 + PLAN_MASKS.index(mask_kw))
+    for cp in (1, 2, 3, 4, 5, 2, 3, 4):
+        for sh in _shardings(rng, cp, mask_kw):
+            segs = [sh.rank_segments(r) for r in range(cp)]
+            check_p2p_plans(sh, [p2p.build_plan(segs, r, mask) for r in range(cp)], mask)
+
+
+@pytest.mark.parametrize("mask_kw", [dict(causal=True), dict(causal=False), dict(causal=True, window_size=(100, -1)),
+                                     dict(causal=True, chunk_size=256)], ids=str)  # fmt: skip
+def test_workload_cut_documents_exact_cover(mask_kw):
+    """Long documents cut into tile-aligned pieces across ranks: still exact, traffic = need."""
+    mask = MaskSpec.make(**mask_kw)
+    for cp, lens in ((2, [700, 3, 0, 300]), (4, [900, 40, 1, 500, 64])):
+        sh = mcx.shard_sequences([0, *np.cumsum(lens).tolist()], cp, "workload", **mask_kw)
+        assert any(a > 0 or b < sh.seq_len(s) for s, a, b in sh.seg.tolist()), "expected a cut document"
+        segs = [sh.rank_segments(r) for r in range(cp)]
+        check_p2p_plans(sh, [p2p.build_plan(segs, r, mask) for r in range(cp)], mask)
+
+
+@pytest.mark.parametrize("mask_kw", PLAN_MASKS[:4] + PLAN_MASKS[8:10], ids=str)
+def test_all_gather_and_a2a_plans_exact_cover(mask_kw):
+    mask = MaskSpec.make(**mask_kw)
+    rng = random.Random(20 + PLAN_MASKS.index(mask_kw))
+    for cp in (1, 2, 4):
+        for sh in _shardings(rng, cp, mask_kw):
+            want = visible_pairs(sh, mask)
+            ids = [token_ids(sh, r) for r in range(cp)]
+            segs = [sh.rank_segments(r) for r in range(cp)]
+            total = Counter()
+            for r in range(cp):
+                plan = all_gather.build_plan(segs, r, mask)
+                kv_ids = [None] * (plan.pad * cp)
+                for j in range(cp):
+                    kv_ids[j * plan.pad : j * plan.pad + len(ids[j])] = ids[j]
+                total += call_pairs(plan.step, ids[r], kv_ids)
+            assert set(total) == want and set(total.values()) <= {1}
+            # a2a: each group attends over its members' tokens in global order
+            for a2a_size in {1, cp} if cp > 1 else ():
+                union_of = [a2a.group_union(sh, range(g * a2a_size, (g + 1) * a2a_size)) for g in range(cp // a2a_size)]
+                member_ids = [[t for m in range(g * a2a_size, (g + 1) * a2a_size) for t in ids[m]]
+                              for g in range(cp // a2a_size)]  # fmt: skip
+                for g, (union, perm, _) in enumerate(union_of):
+                    in_order = [member_ids[g][i] for i in perm.tolist()]
+                    assert in_order == sorted(member_ids[g])
+                    assert in_order == [(s, p) for s, a, b in union.tolist() for p in range(a, b)]
+                assert sum(len(u[1]) for u in union_of) == sh.total_tokens
+
+
+def test_dense_masks_need_no_gathers_and_one_call_per_step():
+    """Workload layouts on a long-tail batch: dense-mask calls run on slices, one per step."""
+    lens = mcx.batches.lognormal(1 << 16, seed=3)
+    for mask_kw in (dict(causal=True), dict(causal=True, chunk_size=4096)):
+        sh = mcx.shard_sequences(mcx.batches.cu_seqlens(lens), 8, **mask_kw)
+        rep = mcx.inspect_plan(sh, "p2p", **mask_kw)
+        for r in rep.ranks.values():
+            assert r.gathered_rows == 0
+            steps = Counter(c.step for c in r.calls)
+            assert max(steps.values()) == 1, steps
+
+
+def test_plan_is_cached_on_sharding_and_uploaded_once():
+    sh = mcx.shard_sequences([0, 9, 20], 1)
+    q = torch.randn(20, 2, 4)
+    mcx.cp_attention(q, q, q, cp_group=None, sharding=sh)
+    assert len(sh._plans) == 1
+    plan = next(iter(sh._plans.values()))
+    first = plan.step.on(q.device)
+    mcx.cp_attention(q, q, q, cp_group=None, sharding=sh)
+    assert len(sh._plans) == 1 and plan.step.on(q.device) is first
+
+
+def test_contiguous_rows_become_slices():
+    sh = mcx.shard_sequences([0, 16], 1)
+    plan = all_gather.build_plan([sh.rank_segments(0)], 0, MaskSpec.make(causal=True))
+    (call,) = plan.step.calls
+    assert call.q_slice == (0, 16) and call.q_index is None and call.k_slice == (0, 16)
+
+
+def test_shardings_and_plans_pickle():
+    cu = mcx.batches.cu_seqlens(mcx.batches.lognormal(20000, seed=1))
+    for balance in mcx.BALANCES:
+        sh = mcx.shard_sequences(cu, 4, balance)
+        q = torch.randn(sh.num_tokens(0), 2, 8)
+        plan = p2p.build_plan([sh.rank_segments(r) for r in range(4)], 0, MaskSpec.make(causal=True))
+        plan.own.on(q.device)  # a device upload must not travel
+        sh2, plan2 = pickle.loads(pickle.dumps((sh, plan)))
+        assert np.array_equal(sh2.seg, sh.seg) and sh2.cu_seqlens == sh.cu_seqlens and not sh2._plans
+        assert torch.equal(sh2.global_index(3), sh.global_index(3))
+        assert [s.slot for s in plan2.steps] == [s.slot for s in plan.steps] and not plan2.own._device_calls
+        for c1, c2 in zip(plan.own.calls, plan2.own.calls):
+            assert np.array_equal(c1.entries, c2.entries) and torch.equal(c1.cu_seqlens_q, c2.cu_seqlens_q)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(causal=True, window_size=(-2, -1)), "window_size"),
+    (dict(causal=True, window_size=(1, 2, 3)), "window_size"),
+    (dict(causal=True, chunk_size=0), "chunk_size"),
+    (dict(causal="yes"), "causal"),
+])  # fmt: skip
+def test_mask_validation(kw, match):
+    with pytest.raises(ValueError, match=match):
+        MaskSpec.make(**kw)

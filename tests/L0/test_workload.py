@@ -1,0 +1,157 @@
+"""``balance="workload"``: a partition, tile-aligned, balanced in work and tokens, deterministic;
+and ``inspect_plan`` against brute-force counts."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import megatron_cp_ext as mcx
+from megatron_cp_ext.batches import cu_seqlens, lognormal, long_short
+from megatron_cp_ext.geometry import TILE
+from megatron_cp_ext.masks import MaskSpec
+from megatron_cp_ext.testing.reference import visibility_matrix
+
+MASKS = {
+    "causal": dict(causal=True),
+    "window": dict(causal=True, window_size=(2048, -1)),
+    "chunk": dict(causal=True, chunk_size=4096),
+    "nomask": dict(causal=False),
+}
+BATCHES = {
+    "lognormal-256K": lambda: lognormal(1 << 18, seed=5),
+    "long+short": lambda: long_short(1 << 17, long=1 << 16, count=157, seed=2),
+}
+
+
+def _work(sh: mcx.CPSharding, **mask_kw) -> np.ndarray:
+    rep = mcx.inspect_plan(sh, "p2p", **mask_kw)
+    return np.array([rep.ranks[r].work for r in range(sh.cp_size)], dtype=float)
+
+
+@pytest.mark.parametrize("batch", BATCHES)
+@pytest.mark.parametrize("cp", [8, 16])
+@pytest.mark.parametrize("mask", MASKS)
+def test_partition_alignment_tokens_and_work(batch, cp, mask):
+    lens = BATCHES[batch]()
+    cu = cu_seqlens(lens)
+    sh = mcx.shard_sequences(cu, cp, "workload", **MASKS[mask])
+    # every token exactly once
+    idx = torch.cat([sh.global_index(r) for r in range(cp)])
+    assert torch.equal(idx.sort().values, torch.arange(cu[-1]))
+    # cuts only at tile boundaries, except at a sequence's end
+    for s, a, b in sh.seg.tolist():
+        n = lens[s]
+        assert a % TILE == 0 or a == 0, (s, a, b)
+        assert b % TILE == 0 or b == n, (s, a, b)
+    # tokens equal within one piece: moving one of a rank's own ranges would even it out
+    tokens = np.array(sh.counts())
+    for r in range(cp):
+        seg = sh.rank_segments(r)
+        assert abs(tokens[r] - tokens.mean()) <= max(int((seg[:, 2] - seg[:, 1]).max(initial=0)), TILE), r
+    work = _work(sh, **MASKS[mask])
+    dual = _work(mcx.shard_sequences(cu, cp, "dualchunk", **MASKS[mask]), **MASKS[mask])
+    imbalance, dual_imbalance = work.max() / work.mean(), dual.max() / dual.mean()
+    # (dual-chunk is exact for causal work at the price of 2*cp slivers per document: there the
+    # bound is the 3% goal; on windows and chunks dual-chunk is 1.1-1.2 and workload must beat it)
+    assert imbalance <= max(dual_imbalance, 1.03), (imbalance, dual_imbalance)
+
+
+def test_short_documents_stay_whole_and_long_ones_are_cut():
+    lens = [70000, *([300] * 200)]
+    sh = mcx.shard_sequences(cu_seqlens(lens), 8)
+    pieces = {}
+    for s, a, b in sh.seg.tolist():
+        pieces.setdefault(s, []).append((a, b))
+    assert all(len(p) == 1 for s, p in pieces.items() if s > 0), "a short document was cut"
+    assert len(pieces[0]) >= 8, "the long document should be spread over the ranks"
+    assert sh.rank_segments(0).shape[0] > 0
+
+
+def test_same_result_in_separate_processes():
+    code = (
+        "import hashlib, megatron_cp_ext as mcx;"
+        "from megatron_cp_ext.batches import lognormal, cu_seqlens;"
+        "sh = mcx.shard_sequences(cu_seqlens(lognormal(1 << 18, seed=7)), 16, causal=True, window_size=(1000, -1));"
+        "print(hashlib.sha256(sh.seg.tobytes() + sh.rank_ptr.tobytes()).hexdigest())"
+    )
+    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+            for _ in range(2)}  # fmt: skip
+    sh = mcx.shard_sequences(cu_seqlens(lognormal(1 << 18, seed=7)), 16, causal=True, window_size=(1000, -1))
+    import hashlib
+
+    assert outs == {hashlib.sha256(sh.seg.tobytes() + sh.rank_ptr.tobytes()).hexdigest() + "\n"}
+
+
+def test_cp1_and_tiny_batches():
+    for cu in ([0], [0, 0], [0, 1], [0, 5, 5, 6]):
+        for cp in (1, 2, 4):
+            sh = mcx.shard_sequences(cu, cp)
+            assert sum(sh.counts()) == cu[-1]
+
+
+# ---- inspect_plan against brute force ---------------------------------------------------------
+def _brute(sh: mcx.CPSharding, mask_kw: dict):
+    """Per rank: visible pairs of its queries, and rows of other ranks' KV they see."""
+    vis = visibility_matrix(sh.cu_seqlens, **mask_kw)
+    owner = torch.empty(sh.total_tokens, dtype=torch.long)
+    for r in range(sh.cp_size):
+        owner[sh.global_index(r)] = r
+    work, need = [], []
+    for r in range(sh.cp_size):
+        rows = vis[sh.global_index(r)]
+        work.append(int(rows.sum()))
+        seen = rows.any(0) & (owner != r)
+        need.append(int(seen.sum()))
+    return work, need
+
+
+INSPECT_MASKS = [dict(causal=True), dict(causal=False, window_size=(5, 9)), dict(causal=True, chunk_size=7),
+                 dict(causal=True, window_size=(3, -1))]  # fmt: skip
+
+
+@pytest.mark.parametrize("mask_kw", INSPECT_MASKS, ids=str)
+@pytest.mark.parametrize("balance", mcx.BALANCES)
+def test_inspect_plan_matches_brute_force(mask_kw, balance):
+    cu = [0, 40, 41, 41, 90, 300, 333]
+    for cp in (2, 3, 4):
+        sh = mcx.shard_sequences(cu, cp, balance, **mask_kw)
+        work, need = _brute(sh, mask_kw)
+        row = 2 * (8 + 8) * 2  # 2 KV heads, d 8, bf16
+        for comm in ("p2p", "all_gather", "a2a", "a2a+p2p"):
+            a2a = 1 if comm == "a2a+p2p" else None
+            rep = mcx.inspect_plan(sh, comm, **mask_kw, a2a_size=a2a, num_heads=4, num_kv_heads=2, head_dim=8)
+            assert rep.kv_row_bytes == row
+            for r, rr in rep.ranks.items():
+                assert rr.tokens == sh.num_tokens(r)
+                assert rr.bytes_needed["forward"] == need[r] * row
+                if comm in ("p2p", "all_gather", "a2a+p2p"):  # a2a+p2p with groups of one is p2p
+                    assert rr.work == work[r] == rr.useful, (comm, r)
+                for c in rr.calls:
+                    assert c.cu_seqlens_q[0] == 0 and c.cu_seqlens_q == sorted(c.cu_seqlens_q)
+                    assert c.causal == (c.window[1] == 0) and c.useful <= c.tile_area
+            if comm in ("p2p", "a2a+p2p"):
+                assert [rr.bytes_received["forward"] for rr in rep.ranks.values()] == [n * row for n in need]
+                assert sum(rr.bytes_sent["forward"] for rr in rep.ranks.values()) == sum(need) * row
+            if comm == "all_gather":
+                pad = max(sh.counts())
+                assert [rr.padding for rr in rep.ranks.values()] == [pad - t for t in sh.counts()]
+                assert all(rr.bytes_sent["forward"] == (cp - 1) * pad * row for rr in rep.ranks.values())
+            if comm == "a2a":  # every rank computes 1/cp of the heads over all tokens
+                assert sum(rr.work for rr in rep.ranks.values()) == pytest.approx(sum(work), abs=cp)
+
+
+def test_inspect_plan_selected_ranks_and_errors():
+    sh = mcx.shard_sequences(cu_seqlens(lognormal(50000, seed=1)), 8)
+    rep = mcx.inspect_plan(sh, ranks=[3, 5])
+    assert sorted(rep.ranks) == [3, 5] and rep.ranks[3].rank == 3
+    with pytest.raises(ValueError, match="comm_type"):
+        mcx.inspect_plan(sh, "ring")
+    with pytest.raises(ValueError, match="a2a_size"):
+        mcx.inspect_plan(sh, "a2a+p2p")
+    with pytest.raises(ValueError, match="ranks"):
+        mcx.inspect_plan(sh, ranks=[8])
+    mask = MaskSpec.make(causal=True)
+    assert rep.mask == mask
