@@ -40,7 +40,7 @@ __all__ = ["workload_segments", "unit_table", "ALPHA"]
 ALPHA = 0.05
 """A unit whose work or tokens exceed this share of one rank's is divisible (cut in pieces):
 small enough that whole units are fine steps, large enough that short documents stay whole."""
-TOKEN_WEIGHT = 0.3
+TOKEN_WEIGHT = 0.1
 """How much a relative token miss counts against a relative work miss for one rank."""
 
 Piece = tuple[int, int, int, int]

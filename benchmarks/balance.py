@@ -1,0 +1,175 @@
+"""Balances side by side: what every rank's plan computes, sends and costs to build.
+
+    python benchmarks/balance.py [--quick] [--markdown out.md]
+
+For balance in {dualchunk, contiguous, workload} x comm types x masks (causal, window 4096,
+chunk 8192) x batches (lognormal long-tail 128K at cp 8 and 32, one 64K document with 157
+short ones at cp 32, lognormal 1M at cp 32 and 64), everything counted exactly from the
+plans through ``inspect_plan`` (128x128 tiles; bf16, 64 q heads, 8 KV heads, d 128):
+
+* ``work``: largest per-rank attention work over the mean;
+* ``pad``: pad rows added for the comm type (all ranks);
+* ``tiles``: useful score entries over the area of the tiles the kernels visit;
+* ``vs TE``: forward bytes sent over those of TransformerEngine's p2p ring on the same batch
+  (every rank's dual-chunk block, each sequence padded to a multiple of 2cp, sent cp-1 times);
+* ``sent/need``: forward bytes sent over the KV bytes the ranks' queries see;
+* ``calls``, ``gathered``: forward varlen calls and gathered rows per layer (largest rank);
+* ``plan ms``: host time of the slowest rank's plan; ``shard ms``: ``shard_sequences``.
+
+Exact counts, not timings, except the two build times (one core of this machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import numpy as np
+import torch
+
+import megatron_cp_ext as mcx
+from megatron_cp_ext.batches import cu_seqlens, lognormal, long_short
+
+MASKS = {
+    "causal": dict(causal=True),
+    "window4096": dict(causal=True, window_size=(4096, -1)),
+    "chunk8192": dict(causal=True, chunk_size=8192),
+}
+COMMS = [("p2p", None), ("all_gather", None), ("a2a", None), ("a2a+p2p", 8)]
+SHAPES = dict(num_heads=64, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
+
+
+def batches(quick: bool) -> list[tuple[str, list[int], list[int]]]:
+    out = [
+        ("lognormal 128K", lognormal(1 << 17, seed=0), [8, 32]),
+        ("64K + 157 short", long_short(1 << 17, long=1 << 16, count=157, seed=0), [32]),
+    ]
+    if not quick:
+        out.append(("lognormal 1M", lognormal(1 << 20, seed=0), [32, 64]))
+    return out
+
+
+def te_ring_bytes(lens: list[int], cp: int, kv_row: int) -> int:
+    """TransformerEngine's p2p ring: padded dual-chunk blocks, each sent cp - 1 times."""
+    padded = sum(-(-n // (2 * cp)) * 2 * cp for n in lens)
+    return (cp - 1) * padded * kv_row
+
+
+class Progress:
+    def __init__(self, total: int) -> None:
+        self.total, self.done, self.t0 = total, 0, time.perf_counter()
+
+    def step(self, label: str) -> None:
+        self.done += 1
+        width = 30
+        filled = width * self.done // self.total
+        elapsed = time.perf_counter() - self.t0
+        bar = "#" * filled + "." * (width - filled)
+        print(f"\r[{bar}] {self.done}/{self.total} {elapsed:5.0f}s {label:<48}", end="", file=sys.stderr, flush=True)
+        if self.done == self.total:
+            print(file=sys.stderr)
+
+
+def measure(lens, cp, balance, mask_kw, comm, a2a) -> dict:
+    cu = cu_seqlens(lens)
+    t0 = time.perf_counter()
+    sh = mcx.shard_sequences(cu, cp, balance, **mask_kw)
+    shard_ms = (time.perf_counter() - t0) * 1e3
+    rep = mcx.inspect_plan(sh, comm, a2a_size=a2a, **mask_kw, **SHAPES)
+    ranks = list(rep.ranks.values())
+    sent = sum(r.bytes_sent["forward"] for r in ranks)
+    need = sum(r.bytes_needed["forward"] for r in ranks)
+    return {
+        "work": rep.work_imbalance,
+        "pad": sum(r.padding for r in ranks),
+        "tiles": rep.tile_efficiency,
+        "vs TE": sent / te_ring_bytes(lens, cp, rep.kv_row_bytes),
+        "sent/need": sent / need if need else float("nan"),
+        "calls": max(len(r.calls) for r in ranks),
+        "gathered": max(r.gathered_rows for r in ranks),
+        "plan ms": max(r.plan_ms for r in ranks),
+        "shard ms": shard_ms,
+    }
+
+
+COLUMNS = ["work", "pad", "tiles", "vs TE", "sent/need", "calls", "gathered", "plan ms", "shard ms"]
+
+
+def fmt(key: str, v) -> str:
+    if key in ("pad", "calls", "gathered"):
+        return str(int(v))
+    if key in ("plan ms", "shard ms"):
+        return f"{v:.1f}"
+    return "-" if v != v else f"{v:.3f}"  # nan: nothing is needed (one rank holds all)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="skip the 1M-token batch")
+    ap.add_argument("--markdown", help="also write the tables to this file")
+    ap.add_argument("--doc", help="replace the tables between the balance markers of this page (docs/performance.md)")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    jobs = [(name, lens, cp, b, m, c, a) for name, lens, cps in batches(args.quick) for cp in cps
+            for m in MASKS for b in ("dualchunk", "contiguous", "workload") for c, a in COMMS]  # fmt: skip
+    bar = Progress(len(jobs))
+    rows = []
+    for name, lens, cp, balance, mask, comm, a2a in jobs:
+        res = measure(lens, cp, balance, MASKS[mask], comm, a2a)
+        rows.append((name, cp, mask, balance, comm, res))
+        bar.step(f"{name} cp{cp} {mask} {balance} {comm}")
+    text = "\n".join([*goals(rows), "", *table(rows, lambda c: c == "p2p"), "", *table(rows, lambda c: True)])
+    print(text)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(text + "\n")
+    if args.doc:
+        write_doc(args.doc, rows)
+
+
+def table(rows, keep) -> list[str]:
+    head = ["batch", "cp", "mask", "balance", "comm", *COLUMNS]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, cp, mask, balance, comm, res in rows:
+        if keep(comm):
+            cells = [name, str(cp), mask, balance, comm, *(fmt(k, res[k]) for k in COLUMNS)]
+            lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def write_doc(path: str, rows) -> None:
+    """Put the measured tables between ``<!-- balance:NAME -->`` / ``<!-- /balance:NAME -->``."""
+    text = open(path).read()
+    parts = {"goals": goals(rows), "p2p": table(rows, lambda c: c == "p2p"), "all": table(rows, lambda c: True)}
+    for name, lines in parts.items():
+        start, end = f"<!-- balance:{name} -->", f"<!-- /balance:{name} -->"
+        a, b = text.index(start) + len(start), text.index(end)
+        text = text[:a] + "\n" + "\n".join(lines) + "\n" + text[b:]
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def goals(rows) -> list[str]:
+    """The workload goals at cp 32 and 64, met or missed, from the rows above."""
+    mine = [(n, cp, m, c, r) for n, cp, m, b, c, r in rows if b == "workload" and cp >= 32]
+    p2p = [(n, cp, m, r) for n, cp, m, c, r in mine if c == "p2p"]
+    checks = [
+        ("max/mean work <= 1.03 (every comm type)", max(r["work"] for *_, r in mine), 1.03),
+        ("padding rows == 0 (p2p)", max(r["pad"] for *_, r in p2p), 0),
+        ("p2p tile efficiency >= 0.90", min(r["tiles"] for *_, r in p2p), 0.90),
+        ("p2p KV moved vs TE ring <= 0.60 (causal)", max(r["vs TE"] for n, cp, m, r in p2p if m == "causal"), 0.60),
+        ("p2p bytes sent / needed <= 1.05", max(r["sent/need"] for *_, r in p2p if not np.isnan(r["sent/need"])), 1.05),
+        ("plan build ms per rank <= 100", max(r["plan ms"] for *_, r in mine), 100),
+        ("shard_sequences ms <= 50", max(r["shard ms"] for *_, r in mine), 50),
+    ]  # fmt: skip
+    out = ["| goal (workload, cp 32 and 64) | worst | met |", "|---|---|---|"]
+    for text, worst, bound in checks:
+        ok = worst >= bound if ">=" in text else worst <= bound
+        out.append(f"| {text} | {worst:.3f} | {'yes' if ok else 'no'} |")
+    return out
+
+
+if __name__ == "__main__":
+    np.set_printoptions(precision=3)
+    main()
