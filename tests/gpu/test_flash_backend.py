@@ -14,7 +14,10 @@ from megatron_cp_ext.backends import flash, reference
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
-@pytest.mark.parametrize("causal, window", [(True, (-1, 0)), (False, (-1, -1)), (True, (7, 0)), (False, (5, -1))])
+WINDOWS = [(True, (-1, 0)), (False, (-1, -1)), (True, (7, 0)), (False, (5, -1)), (False, (-1, 6)), (False, (3, 4))]
+
+
+@pytest.mark.parametrize("causal, window", WINDOWS)
 @pytest.mark.parametrize("hq, hkv, d, dv", [(8, 8, 64, 64), (8, 2, 128, 128), (8, 1, 64, 32)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_flash_matches_reference(causal, window, hq, hkv, d, dv, dtype):
