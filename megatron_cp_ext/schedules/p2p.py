@@ -8,7 +8,7 @@ The next step's blocks are posted before the current one is computed (double buf
 so transfer overlaps compute. For dense masks this is the classic one-way ring with full
 blocks; for windows it degenerates to halo exchanges with the neighbours.
 
-Backward: KV travels exactly as in forward. The fp32 dK/dV partial of a block is created by
+Backward: KV travels exactly as in forward. The fp32 (fp64 for fp64 input) dK/dV partial of a block is created by
 its first receiver and rides along (the same rows as the KV) while a later receiver adds to
 it; a row whose last contribution is in goes home to the owner in one direct send. The owner
 adds those to the partial of its own step 0. All sizes come from the host plan: nothing in
@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from ..comm import Ring
-from .common import Run, accumulate, new_accumulators, pack_kv, step_backward, step_forward, take
+from .common import Run, acc_dtype, accumulate, new_accumulators, pack_kv, step_backward, step_forward, take
 from .ring_plan import CommBytes, Hop, Lane, RingPlan, Rows, build_plan, kv_row_bytes, ring_comm_bytes
 
 __all__ = ["RingPlan", "CommBytes", "build_plan", "forward", "backward", "ring_comm_bytes", "kv_row_bytes"]
@@ -122,9 +122,9 @@ def backward(run: Run, dout, q, k, v, out, lse) -> tuple[torch.Tensor, torch.Ten
     plan: RingPlan = run.plan
     kv_rings, fwd_rings, home_rings = _rings(run, _KV_TAG), _rings(run, _GRAD_TAG), _rings(run, _HOME_TAG)
     saved = (dout, q, out, lse)
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dq = torch.zeros(q.shape, dtype=acc_dtype(q), device=q.device)
     own = pack_kv(k, v)
-    dkv = torch.zeros(own.shape, dtype=torch.float32, device=own.device)
+    dkv = torch.zeros(own.shape, dtype=acc_dtype(q), device=own.device)
     cur: list = [own for _ in plan.lanes]
     fwd_in: list = [None] * len(plan.lanes)
     homes: list[tuple[Rows, torch.Tensor]] = []
@@ -135,7 +135,7 @@ def backward(run: Run, dout, q, k, v, out, lse) -> tuple[torch.Tensor, torch.Ten
         for i, lane in enumerate(plan.lanes):
             hop, part = _hop(lane, t), None
             if hop is not None and hop.n:
-                part = torch.zeros((hop.n, *dkv.shape[1:]), dtype=torch.float32, device=dkv.device)
+                part = torch.zeros((hop.n, *dkv.shape[1:]), dtype=dkv.dtype, device=dkv.device)
                 step_backward(hop.step.on(q.device), run, saved, cur[i], dq, part)
                 if fwd_in[i] is not None:  # the partial of this block from the receivers before us
                     fwd_rings[i].wait()
