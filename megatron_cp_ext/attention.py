@@ -46,7 +46,7 @@ class _CPAttention(torch.autograd.Function):
     def backward(ctx, dout: torch.Tensor):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = ctx.schedule.backward(ctx.run, dout.contiguous(), q, k, v, out, lse)
-        return dq, dk, dv, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
 @dataclass(frozen=True)
@@ -271,13 +271,9 @@ def cp_attention(
     )
     if isinstance(plan, a2a.A2APlan):
         rep = a2a.kv_replication(shapes.hq, shapes.hkv, groups.a2a_size)
-        return a2a.attention(q, k, v, run, groups.a2a, groups.p2p, rep, _ring_attention)
+        return a2a.attention(q, k, v, run, groups.a2a, groups.p2p, rep)
     schedule = SCHEDULES["p2p"] if isinstance(plan, RingPlan) else SCHEDULES["all_gather"]
     return _CPAttention.apply(q, k, v, run, schedule)
-
-
-def _ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, run: Run) -> torch.Tensor:
-    return _CPAttention.apply(q, k, v, run, SCHEDULES["p2p"])
 
 
 def _seq_format_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: dict) -> torch.Tensor:

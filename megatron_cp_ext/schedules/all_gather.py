@@ -61,4 +61,4 @@ def backward(run: Run, dout, q, k, v, out, lse) -> tuple[torch.Tensor, torch.Ten
     step_backward(run.plan.step.on(q.device), run, (dout, q, out, lse), kv_all, dq, dkv_all)
     dkv = dkv_all if run.group is None else reduce_scatter_padded(dkv_all, run.group)
     dkv = dkv[: k.shape[0]]
-    return dq.to(q.dtype), dkv[..., : run.dk].to(k.dtype), dkv[..., run.dk :].to(v.dtype)
+    return dq, dkv[..., : run.dk], dkv[..., run.dk :]  # accumulator dtype: the caller rounds once
