@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .validation import CPArgumentError, CPArgumentTypeError, as_int, as_ints
+
 __all__ = ["Segment", "CPSharding", "shard_sequences", "check_cu_seqlens"]
 
 BALANCES = ("dualchunk", "contiguous")
@@ -37,31 +39,42 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor | Sequence[int], name: str = "cu_s
     """Validate prefix sums of sequence lengths and return them as Python ints.
 
     Must be host data (a CPU tensor or a sequence): planning happens on the host, and pulling
-    a device tensor here would hide a host-device sync inside the training step.
+    a device tensor here would hide a host-device sync inside the training step. Entries must
+    be integers: ``10.5`` (or ``10.0``) is refused, never truncated.
     """
     if isinstance(cu_seqlens, torch.Tensor):
         if cu_seqlens.device.type != "cpu":
-            raise ValueError(
+            raise CPArgumentError(
                 f"{name} must be a CPU tensor (plans are built on the host once per micro-batch); "
                 f"got device {cu_seqlens.device}"
             )
-        if cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype == torch.bool:
-            raise ValueError(
+        if cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype.is_complex:
+            raise CPArgumentTypeError(
                 f"{name} must be a 1-D integer tensor, got {cu_seqlens.dtype} of shape {tuple(cu_seqlens.shape)}"
             )
+        if cu_seqlens.dtype == torch.bool:
+            raise CPArgumentTypeError(f"{name} must be a 1-D integer tensor, got {cu_seqlens.dtype}")
         cu = [int(x) for x in cu_seqlens.tolist()]
     else:
-        cu = [int(x) for x in cu_seqlens]
+        cu = as_ints(cu_seqlens, name)
     if len(cu) < 1:
-        raise ValueError(f"{name} must hold at least one entry (the leading 0)")
+        raise CPArgumentError(f"{name} must hold at least one entry (the leading 0)")
     if cu[0] != 0:
-        raise ValueError(f"{name} must start at 0, got {cu[0]}")
+        raise CPArgumentError(f"{name} must start at 0, got {cu[0]}")
     for i in range(1, len(cu)):
         if cu[i] < cu[i - 1]:
-            raise ValueError(
+            raise CPArgumentError(
                 f"{name} must be non-decreasing (sequence lengths >= 0); entry {i} is {cu[i]} < {cu[i - 1]}"
             )
     return cu
+
+
+def _segment(s: Segment | Sequence[int], rank: int) -> Segment:
+    """A segment with strictly integer fields (a float position would index the wrong token)."""
+    fields = (s.seq, s.start, s.end) if isinstance(s, Segment) else tuple(s)
+    if len(fields) != 3:
+        raise CPArgumentError(f"segments[{rank}] entries must be (seq, start, end), got {s!r}")
+    return Segment(*(as_int(x, f"segments[{rank}] entry {s!r}") for x in fields))
 
 
 def _even_cuts(length: int, pieces: int) -> list[int]:
@@ -119,27 +132,36 @@ class CPSharding:
     def seq_len(self, seq: int) -> int:
         return self.cu_seqlens[seq + 1] - self.cu_seqlens[seq]
 
+    def _rank(self, rank: int) -> int:
+        return as_int(rank, "rank", minimum=0, maximum=self.cp_size - 1)
+
     def num_tokens(self, rank: int) -> int:
         """Number of tokens rank ``rank`` holds (ranks may differ)."""
-        return int(self._global_index[rank].numel())
+        return int(self._global_index[self._rank(rank)].numel())
 
     def counts(self) -> list[int]:
         return [self.num_tokens(r) for r in range(self.cp_size)]
 
     def global_index(self, rank: int) -> torch.Tensor:
         """Global token index (into the unsharded THD batch) of each of ``rank``'s tokens."""
-        return self._global_index[rank]
+        return self._global_index[self._rank(rank)]
 
     def positions(self, rank: int) -> torch.Tensor:
         """Position inside its sequence of each of ``rank``'s tokens (for RoPE)."""
-        parts = [torch.arange(s.start, s.end, dtype=torch.long) for s in self.segments[rank]]
+        parts = [torch.arange(s.start, s.end, dtype=torch.long) for s in self.segments[self._rank(rank)]]
         return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
 
     # ---- data movement --------------------------------------------------------------------
     def shard(self, x: torch.Tensor, rank: int, dim: int = 0) -> torch.Tensor:
         """Global tokens along ``dim`` -> the tokens ``rank`` holds, in its local order."""
+        rank = self._rank(rank)
+        if not isinstance(x, torch.Tensor):
+            raise CPArgumentTypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        dim = as_int(dim, "dim", minimum=-max(x.dim(), 1), maximum=max(x.dim(), 1) - 1)
         if x.shape[dim] != self.total_tokens:
-            raise ValueError(f"x has {x.shape[dim]} tokens along dim {dim}, cu_seqlens describe {self.total_tokens}")
+            raise CPArgumentError(
+                f"x has {x.shape[dim]} tokens along dim {dim}, cu_seqlens describe {self.total_tokens}"
+            )
         return x.index_select(dim, self._global_index[rank].to(x.device))
 
     def unshard(self, xs: Sequence[torch.Tensor], dim: int = 0) -> torch.Tensor:
@@ -162,7 +184,7 @@ class CPSharding:
     ) -> CPSharding:
         """A custom layout: ``segments[r]`` lists rank r's ``(seq, start, end)`` ranges."""
         cu = check_cu_seqlens(cu_seqlens)
-        segs = tuple(tuple(s if isinstance(s, Segment) else Segment(*s) for s in rank) for rank in segments)
+        segs = tuple(tuple(_segment(s, r) for s in rank) for r, rank in enumerate(segments))
         return cls(cu_seqlens=tuple(cu), cp_size=len(segs), segments=segs)
 
 
@@ -176,10 +198,9 @@ def shard_sequences(cu_seqlens: torch.Tensor | Sequence[int], cp_size: int, bala
     Any lengths >= 0 are allowed; ranks may hold different token counts.
     """
     cu = check_cu_seqlens(cu_seqlens)
-    if not isinstance(cp_size, int) or cp_size < 1:
-        raise ValueError(f"cp_size must be a positive int, got {cp_size!r}")
-    if balance not in BALANCES:
-        raise ValueError(f"balance must be one of {BALANCES}, got {balance!r}")
+    cp_size = as_int(cp_size, "cp_size", minimum=1)
+    if not isinstance(balance, str) or balance not in BALANCES:
+        raise CPArgumentError(f"balance must be one of {BALANCES}, got {balance!r}")
     per_rank: list[list[Segment]] = [[] for _ in range(cp_size)]
     for s in range(len(cu) - 1):
         n = cu[s + 1] - cu[s]
