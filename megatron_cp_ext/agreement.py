@@ -126,7 +126,7 @@ def _raise_reported(sigs: list[dict], path: ExchangePath, own: str, timeout: flo
     if len(bad) > 1:
         where += f" (and {', '.join(_who(s) for s in bad[1:])})"
     cls = _ERROR_CLASSES.get(first["error"], CPArgumentError)
-    raise cls(f"{by_rank[first['global_rank']]}  [input rejected on {where}; raised on every CP rank]")
+    raise cls(f"{by_rank[first['global_rank']]} [input rejected on {where}; raised on every CP rank]")
 
 
 def raise_everywhere(err: Exception, groups: CPGroups | None, cp_size: int | None, cp_rank: int = -1) -> None:
@@ -144,6 +144,8 @@ def raise_everywhere(err: Exception, groups: CPGroups | None, cp_size: int | Non
     try:
         sigs = [dict(zip(FIELDS, s)) for s in _gather(list(sig), path, ERROR_WAIT_S)]
         _raise_reported(sigs, path, str(err), ERROR_WAIT_S)
+    except CPArgumentError as everywhere:
+        raise everywhere from err  # keep this rank's own traceback
     except TimeoutError:
         err.add_note(
             f"(no other CP rank joined the consistency exchange within {ERROR_WAIT_S}s: they may be "

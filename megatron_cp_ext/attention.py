@@ -7,7 +7,7 @@ backward, ...) goes into a signature that all CP ranks compare in one small exch
 or on every call with ``check=True``; any disagreement, and any rank's own argument error,
 is raised as the same error on every rank instead of a hang in a collective. Plans live on
 the sharding and are reused by every layer and by the backward: the hot path does no host
-work beyond building a tuple and two dict lookups.
+work beyond validating the arguments, building the signature and two lookups (tens of µs).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import math
 import weakref
 import zlib
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
@@ -98,7 +98,6 @@ class _Call:
     grad: bool
     rep: int
     """a2a KV-head replication."""
-    sig: tuple[int, ...] = field(default=())
 
 
 def _prepare(q, k, v, a: dict, known: _Known) -> _Call:
