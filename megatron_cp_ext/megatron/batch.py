@@ -137,7 +137,7 @@ def cp_context(params: PackedSeqParams, cp_size: int, cp_rank: int, balance: str
             )
         return ctx
     # One host copy per micro-batch (a sync if cu lives on the GPU); never per layer.
-    sharding = shard_sequences(cu.detach().to("cpu", torch.int64), cp_size, balance=balance)
+    sharding = shard_sequences(_host_cu_seqlens(cu), cp_size, balance=balance)
     ctx = CPBatchContext(sharding=sharding, rank=cp_rank, source=cu)
     setattr(params, _CONTEXT_ATTR, ctx)
     return ctx

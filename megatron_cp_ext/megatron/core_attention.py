@@ -30,7 +30,7 @@ from .. import COMM_TYPES, cp_attention
 from ..backends import BACKENDS
 from ..groups import HierarchicalCPGroups
 from ..sharding import BALANCES
-from ..validation import CPArgumentError, as_bool, as_choice, as_chunk
+from ..validation import CPArgumentError, as_bool, as_choice, as_chunk, as_window
 from .batch import cp_context
 
 __all__ = ["CPAttentionOptions", "CPCoreAttention", "hierarchical_groups_from_sizes", "resolve_cp_comm_type"]
@@ -176,7 +176,7 @@ class CPCoreAttention(MegatronModule):
             self.comm_group = _hierarchical_groups(config, pg_collection, cp_group) if use_hcp else cp_group
         window = config.window_size
         use_window = is_layer_window_attention(window, config.window_attn_skip_freq, self.layer_number)
-        self.window_size = tuple(int(w) for w in window) if use_window else (-1, -1)
+        self.window_size = as_window(window, "config.window_size") if use_window else (-1, -1)
         self.chunk_size = self.options.chunk_size or getattr(config, "attention_chunk_size", None)
         self.softmax_scale = softmax_scale
         self._engine_kwargs = {"backend": self.options.backend} if self.options.backend != "auto" else {}

@@ -155,6 +155,15 @@ def test_thd_batch_split_keeps_unrelated_entries():
     assert out["attention_mask"] is None and out["tokens"].shape == (1, 12)
 
 
+def test_plain_packed_seq_params_with_float_cu_seqlens_refused():
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = torch.tensor([0.0, 5.0, 12.0])
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
+    with pytest.raises(TE, match="cu_seqlens"):
+        megatron_batch.cp_context(params, 1, 0)
+
+
 def test_bshd_batch_split_needs_one_sequence_length():
     batch = {"tokens": torch.zeros(2, 8), "labels": torch.zeros(2, 7)}
     with pytest.raises(VE, match="labels"):
