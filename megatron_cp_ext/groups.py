@@ -8,6 +8,7 @@ their a2a group, so CP rank = p2p rank * a2a_size + a2a rank.
 
 from __future__ import annotations
 
+import weakref
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -87,7 +88,8 @@ class GroupInfo:
     """CRC of the global ranks of the group, in group-rank order."""
 
 
-_INFO: dict[object, GroupInfo] = {}
+_INFO: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""Per process group (weakly held: a destroyed group must not outlive its process group)."""
 
 
 def ranks_crc(ranks: Sequence[int]) -> int:
