@@ -3,15 +3,18 @@
 Public API (design §1): :func:`shard_sequences` -> :class:`CPSharding` (shard/unshard, plan
 cache), :func:`cp_attention` for the ``p2p``, ``all_gather``, ``a2a`` and ``a2a+p2p`` comm
 types over thd, bshd and sbhd layouts, and :func:`inspect_plan`, the exact account of a plan.
+Bad input raises :class:`CPArgumentError` (a ``ValueError``), the same on every CP rank
+(``docs/reliability.md``).
 """
 
 from . import batches
 from .attention import COMM_TYPES, QKV_FORMATS, cp_attention
-from .groups import hierarchical_cp_groups
+from .groups import HierarchicalCPGroups, hierarchical_cp_groups
 from .inspect import CallReport, PlanReport, RankReport, inspect_plan
 from .mask_names import mask_flags as mask_flags
 from .masks import MaskSpec
 from .sharding import BALANCES, CPSharding, Segment, shard_sequences
+from .validation import CPArgumentError, CPArgumentTypeError, CPRankMismatchError
 
 __all__ = [
     "cp_attention",
@@ -20,6 +23,10 @@ __all__ = [
     "RankReport",
     "CallReport",
     "hierarchical_cp_groups",
+    "HierarchicalCPGroups",
+    "CPArgumentError",
+    "CPArgumentTypeError",
+    "CPRankMismatchError",
     "shard_sequences",
     "CPSharding",
     "Segment",

@@ -1,16 +1,19 @@
-"""``cp_attention``: validate, look up (or build once) the plan, dispatch, autograd.
+"""``cp_attention``: validate, agree across ranks, look up (or build once) the plan, dispatch.
 
-Everything that can be wrong is checked here before any collective runs. What every rank
-sees (arguments, shapes, group size) raises locally. What only one rank may see (its token
-count, dtype, its copy of ``cu_seqlens``) is compared across ranks by one small exchange when
-a plan is first built for a micro-batch, so every rank raises the same error instead of
-hanging in a collective. Once built, the plan lives on the sharding and is reused by every
-layer and by the backward: the hot path does no host work beyond a dict lookup.
+Every argument is checked here (:mod:`.validation`) before any collective runs. What only
+one rank can see (its token count, dtype, heads, scale, sharding, whether it will run a
+backward, ...) goes into a signature that all CP ranks compare in one small exchange
+(:mod:`.agreement`) whenever a rank's signature is new — the first call of a micro-batch —
+or on every call with ``check=True``; any disagreement, and any rank's own argument error,
+is raised as the same error on every rank instead of a hang in a collective. Plans live on
+the sharding and are reused by every layer and by the backward: the hot path does no host
+work beyond validating the arguments, building the signature and two lookups (tens of µs).
 """
 
 from __future__ import annotations
 
 import math
+import weakref
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -19,19 +22,35 @@ from types import ModuleType
 import torch
 import torch.distributed as dist
 
-from .backends import get_backend
-from .comm import exchange_ints
+from . import agreement as agr
+from .backends import BACKENDS, get_backend
+from .groups import CPGroups, GroupInfo, cp_groups, ranks_crc
 from .masks import MaskSpec
 from .schedules import SCHEDULES, a2a, build_plan
 from .schedules.common import Run
 from .schedules.p2p import P2PPlan
 from .sharding import CPSharding, shard_sequences
+from .validation import (
+    DTYPES,
+    CPArgumentError,
+    CPArgumentTypeError,
+    QKVShapes,
+    as_bool,
+    as_choice,
+    as_chunk,
+    as_scale,
+    as_window,
+    check_backend_dtype,
+    check_qkv,
+)
 
 __all__ = ["cp_attention", "COMM_TYPES", "QKV_FORMATS"]
 
 COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
 QKV_FORMATS = ("thd", "bshd", "sbhd")
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_SIG_STATE: weakref.WeakKeyDictionary[CPSharding, dict] = weakref.WeakKeyDictionary()
+"""Per sharding (micro-batch): its fingerprint and the signatures all ranks agreed on. Kept
+beside the sharding rather than in its plan cache, which holds plans only."""
 
 
 class _CPAttention(torch.autograd.Function):
@@ -46,145 +65,139 @@ class _CPAttention(torch.autograd.Function):
     def backward(ctx, dout: torch.Tensor):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = ctx.schedule.backward(ctx.run, dout.contiguous(), q, k, v, out, lse)
-        return dq, dk, dv, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
-@dataclass(frozen=True)
-class _Shapes:
-    tokens: int
-    hq: int
-    hkv: int
-    dqk: int
-    dv: int
-    dtype: torch.dtype
+@dataclass
+class _Known:
+    """What validation established before it failed: enough to find the group to report on."""
+
+    groups: CPGroups | None = None
+    cp_size: int | None = None
+    cp_rank: int = -1
 
 
-def _check_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> _Shapes:
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if x.dim() != 3:
-            raise ValueError(f"{name} must be [tokens, heads, head_dim], got shape {tuple(x.shape)}")
-    if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(f"q, k, v must share one of {_DTYPES}; got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
-    if k.shape[0] != q.shape[0] or v.shape[0] != q.shape[0]:
-        raise ValueError(f"q, k, v token counts differ: {q.shape[0]}, {k.shape[0]}, {v.shape[0]}")
-    if k.shape[1] != v.shape[1]:
-        raise ValueError(f"k and v head counts differ: {k.shape[1]} vs {v.shape[1]}")
-    if k.shape[2] != q.shape[2]:
-        raise ValueError(f"q and k head dims differ: {q.shape[2]} vs {k.shape[2]}")
-    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
-        raise ValueError(f"num_heads of q ({q.shape[1]}) must be a multiple of k/v heads ({k.shape[1]})")
-    return _Shapes(q.shape[0], q.shape[1], k.shape[1], q.shape[2], v.shape[2], q.dtype)
+@dataclass
+class _Call:
+    """One validated call in thd form."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    shapes: QKVShapes
+    groups: CPGroups
+    comm_type: str
+    fmt: str
+    seq_dims: tuple[int, int] | None
+    """``(b, s_local)`` for bshd/sbhd, None for thd."""
+    sharding: CPSharding
+    mask: MaskSpec
+    scale: float
+    backend: ModuleType
+    check: bool
+    grad: bool
+    rep: int
+    """a2a KV-head replication."""
 
 
-@dataclass(frozen=True)
-class _Groups:
-    """The CP process groups of one call, normalised over comm types."""
-
-    a2a: object
-    """All-to-all group (None: no all-to-all)."""
-    p2p: object
-    """Ring / all-gather group (None: single participant)."""
-    a2a_size: int
-    size: int
-    """Total CP size (a2a size x p2p size)."""
-    rank: int
-    """CP rank = p2p rank * a2a size + a2a rank (Megatron's hierarchical layout)."""
-
-
-def _one_group(g) -> tuple[object, int, int]:
-    if g is None:
-        return None, 1, 0
-    if not isinstance(g, dist.ProcessGroup):
-        raise ValueError(f"cp_group entries must be ProcessGroups or None, got {type(g).__name__}")
-    n = dist.get_world_size(g)
-    return (g if n > 1 else None), n, dist.get_rank(g)
-
-
-def _groups(cp_group, comm_type: str) -> _Groups:
-    if cp_group is None:  # CP size 1 for every comm type: local attention
-        return _Groups(None, None, 1, 1, 0)
-    if comm_type == "a2a+p2p":
-        if not isinstance(cp_group, (list, tuple)) or len(cp_group) != 2:
-            raise ValueError(
-                "cp_group must be [a2a_group, p2p_group] for comm_type='a2a+p2p' (see "
-                f"megatron_cp_ext.hierarchical_cp_groups), got {cp_group!r}"
+def _prepare(q, k, v, a: dict, known: _Known) -> _Call:
+    """Validate every argument (no communication); raises CPArgumentError/CPArgumentTypeError."""
+    check = as_bool(a["check"], "check")
+    fmt = as_choice(a["qkv_format"], "qkv_format", QKV_FORMATS)
+    comm_type = as_choice(a["comm_type"], "comm_type", COMM_TYPES)
+    sharding = a["sharding"]
+    if fmt == "thd":
+        if not isinstance(sharding, CPSharding):
+            raise CPArgumentTypeError(
+                f"sharding (from shard_sequences) is required for qkv_format='thd', got {type(sharding).__name__}"
             )
-        a2a, na, ra = _one_group(cp_group[0])
-        ring, np_, rp = _one_group(cp_group[1])
-        return _Groups(a2a, ring, na, na * np_, rp * na + ra)
-    if isinstance(cp_group, (list, tuple)):
-        raise ValueError(f"cp_group must be one ProcessGroup for comm_type={comm_type!r}, got a sequence")
-    g, n, r = _one_group(cp_group)
-    if comm_type == "a2a":
-        return _Groups(g, None, n, n, r)
-    return _Groups(None, g, 1, n, r)
+        known.cp_size = sharding.cp_size
+    elif sharding is not None:
+        raise CPArgumentError(
+            f"sharding is for qkv_format='thd' only; {fmt} uses Megatron's fixed split (pass sharding=None)"
+        )
+    groups = known.groups = cp_groups(a["cp_group"], comm_type)
+    known.cp_rank = groups.rank
+    causal, window = as_bool(a["causal"], "causal"), as_window(a["window_size"])
+    mask = MaskSpec.make(causal=causal, window_size=window, chunk_size=as_chunk(a["chunk_size"]))
+    scale = as_scale(a["softmax_scale"])
+    backend_name = as_choice(a["backend"], "backend", BACKENDS)
+    seq_dims = None
+    if fmt != "thd":
+        q, k, v, seq_dims = _seq_to_thd(q, k, v, fmt)
+        sharding = _fixed_length_sharding(*seq_dims, groups.size, fmt)
+        q, k, v = (_rows_to_thd(x, groups.size) for x in (q, k, v))
+    shapes = check_qkv(q, k, v)
+    if groups.size != sharding.cp_size:
+        raise CPArgumentError(f"cp_group has {groups.size} ranks but sharding.cp_size is {sharding.cp_size}")
+    if shapes.tokens != sharding.num_tokens(groups.rank):
+        raise CPArgumentError(
+            f"q has {shapes.tokens} tokens but the sharding gives CP rank {groups.rank} "
+            f"{sharding.num_tokens(groups.rank)} (shard inputs with sharding.shard(x, rank))"
+        )
+    backend = get_backend(shapes.device, backend_name)
+    check_backend_dtype(backend.__name__.rsplit(".", 1)[-1], shapes.dtype)
+    use_a2a = comm_type in ("a2a", "a2a+p2p") and groups.size > 1
+    rep = a2a.kv_replication(shapes.hq, shapes.hkv, groups.a2a_size) if use_a2a else 1
+    grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
+    scale = scale if scale is not None else 1.0 / math.sqrt(shapes.dqk)
+    return _Call(q, k, v, shapes, groups, comm_type, fmt, seq_dims, sharding, mask, scale, backend, check, grad, rep)
 
 
-def _signature(sharding: CPSharding, shapes: _Shapes, comm_type: str, mask: MaskSpec, rank: int) -> list[int]:
-    cu_crc = zlib.crc32(",".join(map(str, sharding.cu_seqlens)).encode())
-    seg_crc = zlib.crc32(sharding.seg.tobytes())
-    return [
-        rank, shapes.tokens, sharding.num_tokens(rank), cu_crc, seg_crc, COMM_TYPES.index(comm_type),
-        int(mask.causal), mask.left, mask.right, mask.chunk or 0, _DTYPES.index(shapes.dtype),
-        shapes.hq, shapes.hkv, shapes.dqk, shapes.dv,
-    ]  # fmt: skip
+def _fingerprint(sharding: CPSharding) -> dict:
+    state = _SIG_STATE.get(sharding)
+    if state is None:
+        state = _SIG_STATE[sharding] = {
+            "cu_crc": zlib.crc32(",".join(map(str, sharding.cu_seqlens)).encode()),
+            "total_tokens": sharding.total_tokens,
+            "num_seqs": sharding.num_seqs,
+            "seg_crc": zlib.crc32(sharding.seg.tobytes() + sharding.rank_ptr.tobytes()),
+            "agreed": set(),
+        }
+    return state
 
 
-_SIG_NAMES = ("", "", "", "cu_seqlens", "the sharding", "comm_type", "causal", "window_size", "window_size",
-              "chunk_size", "dtype", "q heads", "k/v heads", "qk head_dim", "v head_dim")  # fmt: skip
+def _group_fields(info: GroupInfo | None, global_rank: int) -> tuple[int, int]:
+    return (info.name_crc, info.members_crc) if info is not None else (0, ranks_crc([global_rank]))
 
 
-def _check_consistency(sigs: list[list[int]]) -> None:
-    """Raise the same error on every rank when any rank's view disagrees."""
-    for sig in sigs:
-        if sig[1] != sig[2]:
-            raise ValueError(
-                f"q on CP rank {sig[0]} has {sig[1]} tokens but the sharding gives that rank {sig[2]} "
-                "(shard inputs with sharding.shard(x, rank))"
-            )
-    for i, name in enumerate(_SIG_NAMES):
-        if name and len({s[i] for s in sigs}) > 1:
-            raise ValueError(f"{name} differs across CP ranks: {[s[i] for s in sigs]}")
+def _signature(c: _Call, state: dict) -> tuple[int, ...]:
+    """Everything of this call that must agree across CP ranks (see ``agreement.FIELDS``)."""
+    g, s = c.groups, c.shapes
+    global_rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    a2a_name, a2a_members = _group_fields(g.a2a_info, global_rank)
+    p2p_name, p2p_members = _group_fields(g.p2p_info, global_rank)
+    b, s_local = c.seq_dims or (0, 0)
+    return agr.signature(
+        error=0, global_rank=global_rank, cp_rank=g.rank, comm_type=COMM_TYPES.index(c.comm_type), cp_size=g.size,
+        a2a_size=g.a2a_size, a2a_name=a2a_name, a2a_members=a2a_members, p2p_name=p2p_name, p2p_members=p2p_members,
+        qkv_format=QKV_FORMATS.index(c.fmt), check=c.check, batch=b, seq_local=s_local,
+        dtype=DTYPES.index(s.dtype), device=agr.device_index(s.device), hq=s.hq, hkv=s.hkv, dqk=s.dqk, dv=s.dv,
+        causal=c.mask.causal, left=c.mask.left, right=c.mask.right, chunk=c.mask.chunk or 0,
+        scale=agr.float_bits(c.scale), backend=("reference", "flash").index(c.backend.__name__.rsplit(".", 1)[-1]),
+        grad=c.grad, cu_crc=state["cu_crc"], total_tokens=state["total_tokens"], num_seqs=state["num_seqs"],
+        seg_crc=state["seg_crc"], tokens=s.tokens, rank_tokens=c.sharding.num_tokens(g.rank),
+    )  # fmt: skip
 
 
-def _agree(sig: list[int], groups: _Groups, device: torch.device) -> None:
-    """Compare every rank's view in one exchange per group; all ranks raise together.
-
-    With two groups (a2a+p2p) the second exchange also carries whether the first one failed,
-    so a bad input seen inside one a2a group reaches every rank of the CP group.
-    """
-    if groups.a2a is None and groups.p2p is None:
-        _check_consistency([sig])
-        return
-    err: ValueError | None = None
-    for g in (x for x in (groups.a2a, groups.p2p) if x is not None):
-        sigs = exchange_ints(sig + [int(err is not None)], g, device)
-        if err is None:
-            try:
-                _check_consistency([x[:-1] for x in sigs])
-            except ValueError as e:
-                err = e
-        if err is None and any(x[-1] for x in sigs):
-            err = ValueError("another CP rank rejected its input (see its error); no attention was run")
-    if err is not None:
-        raise err
+def _agree(c: _Call) -> None:
+    """Exchange the signature when it is new on this rank (or always in check mode)."""
+    state = _fingerprint(c.sharding)
+    sig = _signature(c, state)
+    if c.check or sig not in state["agreed"]:
+        path = agr.exchange_path(c.groups, c.sharding.cp_size)
+        if path is not None:
+            agr.agree(sig, path)
+        state["agreed"].add(sig)
 
 
-def _get_plan(q, sharding, shapes, groups: _Groups, comm_type, mask):
-    """The cached plan for this micro-batch, built (with the consistency exchange) on first use."""
-    key = (comm_type, mask, id(groups.a2a), id(groups.p2p), groups.rank)
-    plan = sharding._plans.get(key)
-    if plan is not None:
-        if shapes.tokens != sharding.num_tokens(groups.rank):
-            raise ValueError(
-                f"q has {shapes.tokens} tokens but the sharding gives CP rank {groups.rank} "
-                f"{sharding.num_tokens(groups.rank)}"
-            )
-        return plan
-    _agree(_signature(sharding, shapes, comm_type, mask, groups.rank), groups, q.device)
-    plan = sharding._plans[key] = build_plan(sharding, comm_type, groups.rank, groups.a2a_size, mask)
+def _get_plan(c: _Call):
+    """The cached plan for this micro-batch (the plan depends on the comm type, groups, mask)."""
+    g = c.groups
+    key = (c.comm_type, c.mask, id(g.a2a), id(g.p2p), g.rank)
+    plan = c.sharding._plans.get(key)
+    if plan is None:
+        plan = c.sharding._plans[key] = build_plan(c.sharding, c.comm_type, g.rank, g.a2a_size, c.mask)
     return plan
 
 
@@ -195,14 +208,39 @@ def _fixed_length_sharding(b: int, s_local: int, cp: int, qkv_format: str) -> CP
     """The dual-chunk sharding Megatron uses for bshd/sbhd (cached: it never changes)."""
     s = s_local * cp
     if cp > 1 and s % (2 * cp):
-        raise ValueError(
-            f"{qkv_format} needs the global sequence length ({s_local} local x cp {cp} = {s}) "
+        raise CPArgumentError(
+            f"{qkv_format} needs the global sequence length of q ({s_local} local x cp {cp} = {s}) "
             f"divisible by 2*cp = {2 * cp}"
         )
     key = (b, s, cp)
     if key not in _SEQ_SHARDINGS:
         _SEQ_SHARDINGS[key] = shard_sequences([i * s for i in range(b + 1)], cp, "dualchunk")
     return _SEQ_SHARDINGS[key]
+
+
+def _seq_to_thd(q, k, v, fmt: str):
+    """bshd/sbhd: b sequences of equal length, checked and viewed as ``[b, s_local, h, d]``."""
+    layout = "[b, s/cp, heads, head_dim]" if fmt == "bshd" else "[s/cp, b, heads, head_dim]"
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise CPArgumentTypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != 4:
+            raise CPArgumentError(f"{name} must be 4-D {layout} for qkv_format={fmt!r}, got shape {tuple(x.shape)}")
+    if fmt == "sbhd":
+        q, k, v = (x.transpose(0, 1) for x in (q, k, v))
+    if k.shape[:2] != q.shape[:2] or v.shape[:2] != q.shape[:2]:
+        dims = ", ".join(f"{n} {tuple(x.shape[:2])}" for n, x in (("q", q), ("k", k), ("v", v)))
+        raise CPArgumentError(f"q, k, v batch/sequence dims differ: {dims}")
+    return q, k, v, tuple(q.shape[:2])
+
+
+def _rows_to_thd(x: torch.Tensor, cp: int) -> torch.Tensor:
+    """``[b, s_local, ...]`` -> thd rows in the dual-chunk sharding's order: Megatron's local
+    row is ``[chunk r | chunk 2cp-1-r]``; the sharding holds all first chunks, then all second
+    ones (one copy here, and every step's rows are slices)."""
+    b, s_local = x.shape[:2]
+    halves = 2 if cp > 1 else 1
+    return x.unflatten(1, (halves, s_local // halves)).transpose(0, 1).reshape(b * s_local, *x.shape[2:])
 
 
 def cp_attention(
@@ -219,6 +257,7 @@ def cp_attention(
     chunk_size: int | None = None,
     softmax_scale: float | None = None,
     backend: str = "auto",
+    check: bool = False,
 ) -> torch.Tensor:
     """Context-parallel attention over this rank's shard of packed sequences.
 
@@ -226,76 +265,58 @@ def cp_attention(
         q, k, v: this rank's tokens. ``thd``: ``[t, hq, d]``, ``[t, hkv, d]``, ``[t, hkv, dv]``
             with ``hq % hkv == 0`` (GQA/MQA) and any ``dv`` (MLA). ``bshd``: ``[b, s/cp, h, d]``;
             ``sbhd``: ``[s/cp, b, h, d]`` (Megatron's dual-chunk split, ``s % 2cp == 0``).
+            float32/bfloat16/float16, or float64 (computed in float64 end to end).
         cp_group: the CP process group (``None`` for a single rank); for ``a2a+p2p`` the pair
-            ``[a2a_group, p2p_group]``.
+            ``[a2a_group, p2p_group]`` (from :func:`hierarchical_cp_groups`, which also carries
+            the whole CP group the consistency exchange runs on).
         comm_type: ``p2p`` (KV ring) | ``all_gather`` | ``a2a`` | ``a2a+p2p``.
-        sharding: from :func:`shard_sequences`, required for ``thd``; reuse one per micro-batch.
+        sharding: from :func:`shard_sequences`, required for ``thd`` (``None`` otherwise);
+            reuse one per micro-batch.
         causal, window_size, chunk_size: mask on positions inside each sequence (design §1):
             q sees k iff causal ⇒ k ≤ q; left ≥ 0 ⇒ k ≥ q − left; right ≥ 0 and not causal
             ⇒ k ≤ q + right; chunk ⇒ q // chunk == k // chunk. Queries that see no key get 0.
-        softmax_scale: default ``1/sqrt(d)``.
-        backend: local kernels: ``auto`` | ``reference`` | ``flash``.
+            ``window_size`` is a pair of ints ≥ -1; ``chunk_size`` None or an int ≥ 1.
+        softmax_scale: default ``1/sqrt(d)``; else a positive finite float.
+        backend: local kernels: ``auto`` | ``reference`` | ``flash`` (fp16/bf16 on CUDA).
+        check: compare every call's arguments across CP ranks (one small all-gather and a
+            host sync per call), not only the first call of each micro-batch: rank-local
+            drift on a cached plan then raises on every rank instead of hanging. Every rank
+            must pass the same value. See ``docs/reliability.md``.
 
     Returns:
         ``[t, hq, dv]`` (or the bshd/sbhd equivalent), differentiable w.r.t. q, k, v.
+
+    Raises:
+        CPArgumentError (a ValueError; :class:`CPArgumentTypeError` is also a TypeError) for a
+        bad argument, before any collective. With several CP ranks the error is raised on
+        every rank that exchanges at the same time (always in check mode), as is
+        :class:`CPRankMismatchError` when ranks disagree.
     """
-    if comm_type not in COMM_TYPES:
-        raise ValueError(f"comm_type must be one of {COMM_TYPES}, got {comm_type!r}")
-    if qkv_format not in QKV_FORMATS:
-        raise ValueError(f"qkv_format must be one of {QKV_FORMATS}, got {qkv_format!r}")
-    if qkv_format != "thd":
-        return _seq_format_attention(q, k, v, locals())
-    if not isinstance(sharding, CPSharding):
-        raise ValueError("sharding (from shard_sequences) is required for qkv_format='thd'")
-    shapes = _check_tensors(q, k, v)
-    mask = MaskSpec.make(causal=causal, window_size=window_size, chunk_size=chunk_size)
-    groups = _groups(cp_group, comm_type)
-    if groups.size != sharding.cp_size:
-        raise ValueError(f"cp_group has {groups.size} ranks but sharding.cp_size is {sharding.cp_size}")
-    plan = _get_plan(q, sharding, shapes, groups, comm_type, mask)
-    run = Run(
-        plan=plan,
-        group=groups.p2p,
-        backend=get_backend(q.device, backend),
-        scale=softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(shapes.dqk),
-        dk=shapes.dqk,
-    )
-    if isinstance(plan, a2a.A2APlan):
-        rep = a2a.kv_replication(shapes.hq, shapes.hkv, groups.a2a_size)
-        return a2a.attention(q, k, v, run, groups.a2a, groups.p2p, rep, _ring_attention)
-    schedule = SCHEDULES["p2p"] if isinstance(plan, P2PPlan) else SCHEDULES["all_gather"]
-    return _CPAttention.apply(q, k, v, run, schedule)
-
-
-def _ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, run: Run) -> torch.Tensor:
-    return _CPAttention.apply(q, k, v, run, SCHEDULES["p2p"])
-
-
-def _seq_format_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: dict) -> torch.Tensor:
-    """bshd/sbhd: the batch is b sequences of equal length; run it as thd."""
-    fmt = args["qkv_format"]
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if x.dim() != 4:
-            raise ValueError(f"{name} must be 4-D for qkv_format={fmt!r}, got shape {tuple(x.shape)}")
-    if fmt == "sbhd":
-        q, k, v = (x.transpose(0, 1) for x in (q, k, v))
-    if k.shape[:2] != q.shape[:2] or v.shape[:2] != q.shape[:2]:
-        raise ValueError(f"q, k, v batch/sequence dims differ: {q.shape[:2]}, {k.shape[:2]}, {v.shape[:2]}")
-    b, s_local = q.shape[:2]
-    cp = _groups(args["cp_group"], args["comm_type"]).size
-    sharding = _fixed_length_sharding(b, s_local, cp, fmt)
-    # Megatron's local row is [chunk r | chunk 2cp-1-r]; the dual-chunk sharding holds all first
-    # chunks, then all second ones (one copy here, and every step's rows are slices)
-    halves = 2 if cp > 1 else 1
-    thd = [
-        x.unflatten(1, (halves, s_local // halves)).transpose(0, 1).reshape(b * s_local, *x.shape[2:])
-        for x in (q, k, v)
-    ]
-    kw = {
-        n: args[n] for n in ("cp_group", "comm_type", "causal", "window_size", "chunk_size", "softmax_scale", "backend")
-    }
-    out = cp_attention(*thd, qkv_format="thd", sharding=sharding, **kw)
+    args = dict(
+        cp_group=cp_group, comm_type=comm_type, qkv_format=qkv_format, sharding=sharding, causal=causal,
+        window_size=window_size, chunk_size=chunk_size, softmax_scale=softmax_scale, backend=backend, check=check,
+    )  # fmt: skip
+    known = _Known()
+    try:
+        c = _prepare(q, k, v, args, known)
+    except (ValueError, TypeError) as err:
+        agr.raise_everywhere(err, known.groups, known.cp_size, known.cp_rank)
+        raise  # unreachable: raise_everywhere always raises
+    _agree(c)
+    out = _dispatch(c, _get_plan(c))
+    if c.seq_dims is None:
+        return out
+    b, s_local = c.seq_dims
+    halves = 2 if c.sharding.cp_size > 1 else 1
     out = out.view(halves, b, s_local // halves, *out.shape[1:])
-    if fmt == "sbhd":
+    if c.fmt == "sbhd":
         return out.permute(0, 2, 1, 3, 4).reshape(s_local, b, *out.shape[3:])
     return out.transpose(0, 1).reshape(b, s_local, *out.shape[3:])
+
+
+def _dispatch(c: _Call, plan) -> torch.Tensor:
+    run = Run(plan=plan, group=c.groups.p2p, backend=c.backend, scale=c.scale, dk=c.shapes.dqk)
+    if isinstance(plan, a2a.A2APlan):
+        return a2a.attention(c.q, c.k, c.v, run, c.groups.a2a, c.groups.p2p, c.rep)
+    schedule = SCHEDULES["p2p"] if isinstance(plan, P2PPlan) else SCHEDULES["all_gather"]
+    return _CPAttention.apply(c.q, c.k, c.v, run, schedule)

@@ -8,6 +8,8 @@ directly, so nothing is un-padded by a copy.
 
 from __future__ import annotations
 
+import datetime
+
 import torch
 import torch.distributed as dist
 
@@ -65,10 +67,29 @@ def reduce_scatter_padded(full: torch.Tensor, group: dist.ProcessGroup) -> torch
     return out
 
 
-def exchange_ints(values: list[int], group: dist.ProcessGroup, device: torch.device) -> list[list[int]]:
-    """All ranks' small integer vectors (host sync: only for once-per-plan consistency checks)."""
+def exchange_ints(
+    values: list[int],
+    group: dist.ProcessGroup,
+    device: torch.device | None = None,
+    timeout: float | None = None,
+) -> list[list[int]]:
+    """All ranks' small integer vectors (host sync: only for consistency checks, never in
+    the hot path). Every rank must pass a vector of the same length.
+
+    ``device`` defaults to what the group's backend moves (CUDA for NCCL, else CPU).
+    ``timeout`` (seconds) bounds the wait: a ``TimeoutError`` when other ranks never join.
+    """
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
     size = dist.get_world_size(group)
     mine = torch.tensor(values, dtype=torch.int64, device=device)
     allv = [torch.empty_like(mine) for _ in range(size)]
-    dist.all_gather(allv, mine, group=group)
+    work = dist.all_gather(allv, mine, group=group, async_op=True)
+    if timeout is None:
+        work.wait()
+    else:
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=timeout))
+        except RuntimeError as exc:
+            raise TimeoutError(f"exchange over a group of {size} ranks not joined within {timeout}s: {exc}") from exc
     return [v.tolist() for v in allv]

@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from .validation import as_bool, as_chunk, as_window
+
 __all__ = ["MaskSpec", "Block", "visible_blocks", "flash_visible"]
 
 
@@ -36,17 +38,10 @@ class MaskSpec:
 
     @classmethod
     def make(cls, *, causal: bool, window_size: tuple[int, int] = (-1, -1), chunk_size: int | None = None) -> MaskSpec:
-        """Validate user arguments and build the normalised spec."""
-        if not isinstance(causal, bool):
-            raise ValueError(f"causal must be a bool, got {causal!r}")
-        if len(tuple(window_size)) != 2:
-            raise ValueError(f"window_size must be a (left, right) pair, got {window_size!r}")
-        left, right = (int(w) for w in window_size)
-        if left < -1 or right < -1:
-            raise ValueError(f"window_size entries must be >= 0 or -1 (unbounded), got {window_size!r}")
-        if chunk_size is not None and (int(chunk_size) != chunk_size or chunk_size < 1):
-            raise ValueError(f"chunk_size must be None or an int >= 1, got {chunk_size!r}")
-        return cls(causal=causal, left=left, right=0 if causal else right, chunk=chunk_size)
+        """Validate user arguments strictly (:mod:`.validation`) and build the normalised spec."""
+        causal = as_bool(causal, "causal")
+        left, right = as_window(window_size)
+        return cls(causal=causal, left=left, right=0 if causal else right, chunk=as_chunk(chunk_size))
 
     @property
     def upper(self) -> int | None:

@@ -116,7 +116,7 @@ def merge_partial_torch(
     safe = torch.where(torch.isneginf(new_lse), torch.zeros_like(new_lse), new_lse)
     w_acc = torch.exp(acc_lse - safe).unsqueeze(-1)
     w_part = torch.exp(part_lse_NH - safe).unsqueeze(-1)
-    merged = acc_out * w_acc + part_out_NHD.float() * w_part
+    merged = acc_out * w_acc + part_out_NHD.to(acc_out.dtype) * w_part
     if idx_N is None:
         out_THD.copy_(merged)
         lse_TH.copy_(new_lse)
@@ -153,9 +153,10 @@ def merge_partial(
     part_lse_NH: torch.Tensor,
     idx_N: torch.Tensor | None,
 ) -> None:
-    """Merge a partial attention result into fp32 accumulators, in place.
+    """Merge a partial attention result into fp32 (or fp64) accumulators, in place.
 
-    ``out_THD`` (fp32) and ``lse_TH`` (fp32, ``-inf`` where nothing was seen yet) hold the
+    ``out_THD`` and ``lse_TH`` (fp32, or both fp64 for fp64 inputs; ``-inf`` where nothing
+    was seen yet) hold the
     softmax-normalised output and log-sum-exp over the keys merged so far. The partial result
     covers rows ``idx_N`` (all rows in order when ``None``; rows must be distinct). Rows where
     both sides are ``-inf`` stay zero and ``-inf`` — never NaN.

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from .masks import MaskSpec
+from .validation import CPArgumentError, CPArgumentTypeError, as_int, as_ints
 
 __all__ = ["Segment", "CPSharding", "shard_sequences", "check_cu_seqlens", "BALANCES"]
 
@@ -54,21 +55,24 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor | Sequence[int], name: str = "cu_s
                 f"{name} must be a CPU tensor (plans are built on the host once per micro-batch); "
                 f"got device {cu_seqlens.device}"
             )
-        if cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype == torch.bool:
-            raise ValueError(
+        bad = cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype.is_complex or cu_seqlens.dtype == torch.bool
+        if cu_seqlens.dim() != 1 or bad:
+            raise CPArgumentTypeError(
                 f"{name} must be a 1-D integer tensor, got {cu_seqlens.dtype} of shape {tuple(cu_seqlens.shape)}"
             )
         cu = [int(x) for x in cu_seqlens.tolist()]
     else:
-        cu = [int(x) for x in cu_seqlens]
+        cu = as_ints(cu_seqlens, name)
     if len(cu) < 1:
-        raise ValueError(f"{name} must hold at least one entry (the leading 0)")
+        raise CPArgumentError(f"{name} must hold at least one entry (the leading 0)")
     if cu[0] != 0:
-        raise ValueError(f"{name} must start at 0, got {cu[0]}")
+        raise CPArgumentError(f"{name} must start at 0, got {cu[0]}")
     steps = np.diff(np.asarray(cu, dtype=np.int64))
     if (steps < 0).any():
         i = int(np.nonzero(steps < 0)[0][0]) + 1
-        raise ValueError(f"{name} must be non-decreasing (sequence lengths >= 0); entry {i} is {cu[i]} < {cu[i - 1]}")
+        raise CPArgumentError(
+            f"{name} must be non-decreasing (sequence lengths >= 0); entry {i} is {cu[i]} < {cu[i - 1]}"
+        )
     return cu
 
 
@@ -98,7 +102,7 @@ class CPSharding:
         self.seg = np.asarray(self.seg, dtype=np.int64).reshape(-1, 3)
         self.rank_ptr = np.asarray(self.rank_ptr, dtype=np.int64)
         if len(self.rank_ptr) != self.cp_size + 1:
-            raise ValueError(f"segments must list {self.cp_size} ranks, got {len(self.rank_ptr) - 1}")
+            raise CPArgumentError(f"segments must list {self.cp_size} ranks, got {len(self.rank_ptr) - 1}")
         _check_partition(self.cu_seqlens, self.seg)
 
     def __getstate__(self) -> dict:  # plans and device caches stay with the process that built them
@@ -119,8 +123,12 @@ class CPSharding:
     def seq_len(self, seq: int) -> int:
         return self.cu_seqlens[seq + 1] - self.cu_seqlens[seq]
 
+    def _rank(self, rank: int) -> int:
+        return as_int(rank, "rank", minimum=0, maximum=self.cp_size - 1)
+
     def rank_segments(self, rank: int) -> np.ndarray:
         """``[k, 3]`` ``(seq, start, end)`` of ``rank``'s segments in local order (a view)."""
+        rank = self._rank(rank)
         return self.seg[self.rank_ptr[rank] : self.rank_ptr[rank + 1]]
 
     @cached_property
@@ -159,8 +167,14 @@ class CPSharding:
     # ---- data movement --------------------------------------------------------------------
     def shard(self, x: torch.Tensor, rank: int, dim: int = 0) -> torch.Tensor:
         """Global tokens along ``dim`` -> the tokens ``rank`` holds, in its local order."""
+        rank = self._rank(rank)
+        if not isinstance(x, torch.Tensor):
+            raise CPArgumentTypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        dim = as_int(dim, "dim", minimum=-max(x.dim(), 1), maximum=max(x.dim(), 1) - 1)
         if x.shape[dim] != self.total_tokens:
-            raise ValueError(f"x has {x.shape[dim]} tokens along dim {dim}, cu_seqlens describe {self.total_tokens}")
+            raise CPArgumentError(
+                f"x has {x.shape[dim]} tokens along dim {dim}, cu_seqlens describe {self.total_tokens}"
+            )
         return x.index_select(dim, self.global_index(rank).to(x.device))
 
     def unshard(self, xs: Sequence[torch.Tensor], dim: int = 0) -> torch.Tensor:
@@ -183,8 +197,8 @@ class CPSharding:
     ) -> CPSharding:
         """A custom layout: ``segments[r]`` lists rank r's ``(seq, start, end)`` ranges."""
         cu = check_cu_seqlens(cu_seqlens)
-        per_rank = [np.asarray([tuple(s) if not isinstance(s, Segment) else (s.seq, s.start, s.end) for s in r],
-                               dtype=np.int64).reshape(-1, 3) for r in segments]  # fmt: skip
+        per_rank = [np.asarray([_segment(s, r) for s in segs], dtype=np.int64).reshape(-1, 3)
+                    for r, segs in enumerate(segments)]  # fmt: skip
         return cls._of(cu, per_rank, "custom")
 
     @classmethod
@@ -192,6 +206,14 @@ class CPSharding:
         ptr = np.concatenate([[0], np.cumsum([len(p) for p in per_rank])])
         seg = np.concatenate(per_rank) if per_rank else np.zeros((0, 3), np.int64)
         return cls(cu_seqlens=tuple(cu), cp_size=len(per_rank), seg=seg, rank_ptr=ptr, balance=balance)
+
+
+def _segment(s: Segment | Sequence[int], rank: int) -> tuple[int, int, int]:
+    """A segment with strictly integer fields (a float position would index the wrong token)."""
+    fields = (s.seq, s.start, s.end) if isinstance(s, Segment) else tuple(s)
+    if len(fields) != 3:
+        raise CPArgumentError(f"segments[{rank}] entries must be (seq, start, end), got {s!r}")
+    return tuple(as_int(x, f"segments[{rank}] entry {s!r}") for x in fields)
 
 
 def _check_partition(cu: Sequence[int], seg: np.ndarray) -> None:
@@ -204,7 +226,7 @@ def _check_partition(cu: Sequence[int], seg: np.ndarray) -> None:
         bad = end > (cu_a[1:] - cu_a[:-1])[seq]
     if bad.any():
         i = int(np.nonzero(bad)[0][0])
-        raise ValueError(f"segment {tuple(int(x) for x in seg[i])} lies outside its sequence")
+        raise CPArgumentError(f"segment {tuple(int(x) for x in seg[i])} lies outside its sequence")
     keep = end > start
     seq, start, end = seq[keep], start[keep], end[keep]
     order = np.lexsort((start, seq))
@@ -219,7 +241,7 @@ def _check_partition(cu: Sequence[int], seg: np.ndarray) -> None:
     covered = np.zeros(nseq, dtype=bool)
     covered[seq] = True
     if not ok.all() or not (covered | (lens == 0)).all():
-        raise ValueError("segments must cover every token of every sequence exactly once")
+        raise CPArgumentError("segments must cover every token of every sequence exactly once")
 
 
 def _cuts(lens: np.ndarray, pieces: int) -> np.ndarray:
@@ -258,10 +280,9 @@ def shard_sequences(
     host-only: every rank computes the same sharding without communicating.
     """
     cu = check_cu_seqlens(cu_seqlens)
-    if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
-        raise ValueError(f"cp_size must be a positive int, got {cp_size!r}")
-    if balance not in BALANCES:
-        raise ValueError(f"balance must be one of {BALANCES}, got {balance!r}")
+    cp_size = as_int(cp_size, "cp_size", minimum=1)
+    if not isinstance(balance, str) or balance not in BALANCES:
+        raise CPArgumentError(f"balance must be one of {BALANCES}, got {balance!r}")
     mask = MaskSpec.make(causal=causal, window_size=window_size, chunk_size=chunk_size)
     lens = np.diff(np.asarray(cu, dtype=np.int64))
     if cp_size == 1:

@@ -11,6 +11,7 @@ from types import ModuleType
 
 import torch
 
+from ..validation import CPArgumentError, as_choice
 from . import reference
 
 __all__ = ["BACKENDS", "get_backend"]
@@ -20,12 +21,11 @@ BACKENDS = ("auto", "reference", "flash")
 
 def get_backend(device: torch.device, name: str = "auto") -> ModuleType:
     """The module implementing ``attn_fwd``/``attn_bwd`` for ``device``."""
-    if name not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
+    as_choice(name, "backend", BACKENDS)
     if name == "reference" or (name == "auto" and device.type != "cuda"):
         return reference
     if device.type != "cuda":
-        raise ValueError(f"backend 'flash' needs CUDA tensors, got device {device}")
+        raise CPArgumentError(f"backend 'flash' needs CUDA tensors, got device {device}; use 'auto' or 'reference'")
     from . import flash
 
     return flash

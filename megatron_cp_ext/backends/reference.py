@@ -3,13 +3,21 @@
 Implements the local kernel contract of design §2 exactly: per batch entry, causal and
 windows are bottom-right aligned. It refuses calls a flash kernel could not express, so a
 plan verified on the CPU is a plan the GPU can run. Forward returns ``(out, lse_NH)`` with
-an fp32 log-sum-exp; backward recomputes probabilities from the saved (final) lse, the same
-way a flash backward does — there is no autograd through this file.
+an fp32 log-sum-exp (fp64 for fp64 input); backward recomputes probabilities from the saved
+(final) lse, the same way a flash backward does — there is no autograd through this file.
 
-Shapes: ``N`` query rows, ``M`` key rows, ``H``/``Hk`` query/key heads, ``D``/``Dv`` dims.
+Entries are computed as a padded batch ``[E, Wq] x [E, Wk]`` (one row of the batch per
+entry, short entries padded with zero rows), never as one dense ``[N, M]`` block over
+several entries: a product between two entries' rows would turn ``0 x NaN`` into NaN and
+leak a NaN (or inf) from one document into the outputs and gradients of another.
+
+Shapes: ``N`` query rows, ``M`` key rows, ``E`` entries, ``W`` padded entry width,
+``K``/``G`` KV heads and query heads per KV head (``H = K * G``), ``D``/``Dv`` dims.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -23,89 +31,162 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, wind
     assert q.shape[1] % k.shape[1] == 0 and k.shape[:2] == v.shape[:2], "bad head layout"
 
 
-def _visibility(cu_q: torch.Tensor, cu_k: torch.Tensor, n: int, m: int, causal: bool, window: tuple[int, int]):
-    """``[N, M]`` bool mask of the varlen call (segment-diagonal, bottom-right aligned)."""
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+class _Group(NamedTuple):
+    """Consecutive entries computed as one padded batch."""
+
+    q0: int
+    q1: int | None
+    k0: int
+    k1: int | None
+    cu_q: torch.Tensor
+    """Offsets of the group's entries, relative to ``q0`` (int64)."""
+    cu_k: torch.Tensor
+    wq: int
+    """Padded query width: the longest query entry of the group."""
+    wk: int
+
+
+def _entry_groups(cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, max_k: int) -> list[_Group]:
+    """Runs of consecutive entries sharing one padded batch.
+
+    Entries are grouped while the padded area ``E * Wq * Wk`` stays within twice the useful
+    area (plus a small constant), so many tiny entries and a few large ones both stay cheap.
+    Needs host offsets: on CUDA (debug fallback) the call is one group padded to the plan's
+    ``max_seqlen`` (host ints), so nothing reads a device value.
+    """
+    if cu_q.device.type != "cpu":
+        return [_Group(0, None, 0, None, cu_q.long(), cu_k.long(), max_q, max_k)]
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    out: list[_Group] = []
+    start, useful, wq, wk = 0, 0, 0, 0
+    for e in range(len(cq) - 1):
+        lq, lk = cq[e + 1] - cq[e], ck[e + 1] - ck[e]
+        nq, nk = max(wq, lq), max(wk, lk)
+        if e > start and (e + 1 - start) * nq * nk > 2 * (useful + lq * lk) + 4096:
+            out.append(_group(cq, ck, start, e, wq, wk))
+            start, useful, nq, nk = e, 0, lq, lk
+        useful += lq * lk
+        wq, wk = nq, nk
+    if len(cq) > 1:
+        out.append(_group(cq, ck, start, len(cq) - 1, wq, wk))
+    return out
+
+
+def _group(cq: list[int], ck: list[int], a: int, b: int, wq: int, wk: int) -> _Group:
+    sub_q = torch.tensor([x - cq[a] for x in cq[a : b + 1]], dtype=torch.int64)
+    sub_k = torch.tensor([x - ck[a] for x in ck[a : b + 1]], dtype=torch.int64)
+    return _Group(cq[a], cq[b], ck[a], ck[b], sub_q, sub_k, wq, wk)
+
+
+def _pad(x: torch.Tensor, cu: torch.Tensor, width: int) -> torch.Tensor:
+    """``[rows, ...]`` -> ``[E, width, ...]``: entry e's rows first, then zero rows."""
+    n_e = cu.numel() - 1
+    if n_e == 1 and x.shape[0] == width:
+        return x.unsqueeze(0)
+    ar = torch.arange(width, device=x.device)
+    valid = ar[None, :] < (cu[1:] - cu[:-1])[:, None]
+    idx = torch.where(valid, cu[:-1, None] + ar[None, :], x.shape[0])  # row N: the zero row
+    padded = torch.cat([x, x.new_zeros((1, *x.shape[1:]))])
+    return padded.index_select(0, idx.flatten()).view(n_e, width, *x.shape[1:])
+
+
+def _unpad(xp: torch.Tensor, cu: torch.Tensor, rows: int) -> torch.Tensor:
+    """Inverse of :func:`_pad`: ``[E, W, ...]`` -> ``[rows, ...]`` (padding dropped)."""
+    if xp.shape[0] == 1 and xp.shape[1] == rows:
+        return xp[0]
+    r = torch.arange(rows, device=xp.device)
+    e = torch.searchsorted(cu[1:], r, right=True)
+    return xp.flatten(0, 1).index_select(0, e * xp.shape[1] + r - cu[e])
+
+
+def _visibility(cu_q: torch.Tensor, cu_k: torch.Tensor, wq: int, wk: int, causal: bool, window) -> torch.Tensor:
+    """``[E, Wq, Wk]`` bool: flash varlen visibility per entry (bottom-right aligned), padding off."""
     dev = cu_q.device
-    cu_q, cu_k = cu_q.long(), cu_k.long()
-    rq, rk = torch.arange(n, device=dev), torch.arange(m, device=dev)
-    sid_q = torch.searchsorted(cu_q[1:], rq, right=True)
-    sid_k = torch.searchsorted(cu_k[1:], rk, right=True)
-    i = rq - cu_q[sid_q]
-    j = rk - cu_k[sid_k]
-    shift = (cu_k[1:] - cu_k[:-1] - (cu_q[1:] - cu_q[:-1]))[sid_q]
-    diag = (i + shift)[:, None]
-    vis = sid_q[:, None] == sid_k[None, :]
+    lq, lk = (cu_q[1:] - cu_q[:-1])[:, None, None], (cu_k[1:] - cu_k[:-1])[:, None, None]
+    i = torch.arange(wq, device=dev)[None, :, None]
+    j = torch.arange(wk, device=dev)[None, None, :]
+    vis = (i < lq) & (j < lk)
+    diag = i + lk - lq
     left, right = window
     if causal:
         right = 0
     if right >= 0:
-        vis &= j[None, :] <= diag + right
+        vis = vis & (j <= diag + right)
     if left >= 0:
-        vis &= j[None, :] >= diag - left
+        vis = vis & (j >= diag - left)
     return vis
 
 
-def _expand(x: torch.Tensor, groups: int) -> torch.Tensor:
-    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+def _probs(qh, kh, vis, scale, lse=None):
+    """Probabilities ``[E, K, G, Wq, Wk]`` in the compute dtype and the lse ``[E, K, G, Wq]``.
 
-
-def _probs(q, k, cu_q, cu_k, causal, window, scale, lse_HN=None):
-    """Scores in fp32 (fp64 for fp64 input) and, given the row lse, probabilities."""
-    ct = torch.float64 if q.dtype == torch.float64 else torch.float32
-    groups = q.shape[1] // k.shape[1]
-    s = torch.einsum("nhd,mhd->hnm", q.to(ct), _expand(k, groups).to(ct)) * scale
-    vis = _visibility(cu_q, cu_k, q.shape[0], k.shape[0], causal, window)[None]
-    s = s.masked_fill(~vis, float("-inf"))
-    if lse_HN is None:
-        lse_HN = torch.logsumexp(s, dim=-1)
-    finite = torch.isfinite(lse_HN)[..., None]
-    p = torch.where(vis & finite, torch.exp(s - torch.where(finite, lse_HN[..., None], 0.0)), 0.0)
-    return p, lse_HN, ct, groups
-
-
-def _entry_groups(
-    cu_q: torch.Tensor, cu_k: torch.Tensor
-) -> list[tuple[int, int, int, int, torch.Tensor, torch.Tensor]]:
-    """Runs of consecutive entries computed as one dense block.
-
-    A call's entries are block-diagonal; one dense ``[N, M]`` block over all of them wastes
-    work quadratic in the number of entries. Entries are grouped while the dense area stays
-    within twice the useful area (plus a small constant), so both many tiny entries and a few
-    large ones stay cheap. Needs host offsets: on CUDA (debug fallback) it is one group.
+    Invisible scores are replaced (not multiplied) by -inf, so their probability is exactly
+    0 whatever the inputs hold; a NaN only reaches the rows and keys of its own entry.
     """
-    if cu_q.device.type != "cpu":
-        return [(0, -1, 0, -1, cu_q, cu_k)]
-    cq, ck = cu_q.tolist(), cu_k.tolist()
-    out, start, useful = [], 0, 0
-    for e in range(len(cq) - 1):
-        area = (cq[e + 1] - cq[e]) * (ck[e + 1] - ck[e])
-        if e > start and (cq[e + 1] - cq[start]) * (ck[e + 1] - ck[start]) > 2 * (useful + area) + 4096:
-            out.append(_start_end(cq, ck, start, e))
-            start, useful = e, 0
-        useful += area
-    out.append(_start_end(cq, ck, start, len(cq) - 1))
-    return out
+    e, hk, wk = kh.shape[0], kh.shape[1], kh.shape[2]
+    s = ((qh * scale) @ kh.transpose(-1, -2)).view(e, hk, -1, vis.shape[1], wk)
+    s = torch.where(vis[:, None, None], s, float("-inf"))
+    if lse is None:
+        lse = torch.logsumexp(s, dim=-1)
+    # Rows that see nothing have lse -inf: subtract 0 there, so every entry is exp(-inf) = 0.
+    ref = torch.where(torch.isfinite(lse), lse, 0.0)
+    return s.sub_(ref[..., None]).exp_(), lse
 
 
-def _start_end(cq: list[int], ck: list[int], a: int, b: int):
-    sub_q = torch.tensor([x - cq[a] for x in cq[a : b + 1]], dtype=torch.int64)
-    sub_k = torch.tensor([x - ck[a] for x in ck[a : b + 1]], dtype=torch.int64)
-    return cq[a], cq[b], ck[a], ck[b], sub_q, sub_k
+def _heads(xp: torch.Tensor) -> torch.Tensor:
+    """``[E, W, K, (G,) D]`` -> ``[E, K, (G *) W, D]``: one matrix per (entry, KV head)."""
+    if xp.dim() == 4:
+        return xp.permute(0, 2, 1, 3)
+    e, w, hk, g, d = xp.shape
+    return xp.permute(0, 2, 3, 1, 4).reshape(e, hk, g * w, d)
 
 
-def _rows(x: torch.Tensor, a: int, b: int) -> torch.Tensor:
-    return x if b < 0 else x[a:b]
+def _rows_of(x: torch.Tensor, grp: _Group, keys: bool) -> torch.Tensor:
+    a, b = (grp.k0, grp.k1) if keys else (grp.q0, grp.q1)
+    return x[a:b] if b is not None else x
+
+
+def _query_side(x: torch.Tensor, grp: _Group, cu_q: torch.Tensor, hk: int, ct: torch.dtype) -> torch.Tensor:
+    """A per-query tensor ``[N, H, ...]`` of the group as ``[E, K, G*Wq, ...]`` in ``ct``."""
+    xp = _pad(_rows_of(x, grp, False).to(ct), cu_q, grp.wq)
+    return _heads(xp.unflatten(2, (hk, x.shape[1] // hk)))
+
+
+def _inputs(grp: _Group, q, k, v, ct):
+    """The group's q ``[E, K, G*Wq, D]``, k ``[E, K, Wk, D]``, v ``[E, K, Wk, Dv]`` in ``ct``."""
+    hk = k.shape[1]
+    cu_q, cu_k = grp.cu_q.to(q.device), grp.cu_k.to(q.device)
+    qh = _query_side(q, grp, cu_q, hk, ct)
+    kh = _heads(_pad(_rows_of(k, grp, True).to(ct), cu_k, grp.wk))
+    vh = _heads(_pad(_rows_of(v, grp, True).to(ct), cu_k, grp.wk))
+    return qh, kh, vh, cu_q, cu_k
+
+
+def _unheads(xh: torch.Tensor, g: int, cu: torch.Tensor, rows: int) -> torch.Tensor:
+    """Inverse of :func:`_heads` and :func:`_pad`: ``[E, K, G*W, D]`` -> ``[rows, K*G, D]``."""
+    e, hk, gw, d = xh.shape
+    xp = xh.view(e, hk, g, gw // g, d).permute(0, 3, 1, 2, 4).reshape(e, gw // g, hk * g, d)
+    return _unpad(xp, cu, rows)
 
 
 def attn_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, scale):
-    """``q [N,H,D], k [M,Hk,D], v [M,Hk,Dv] -> (out [N,H,Dv] in q.dtype, lse [N,H] fp32)``."""
+    """``q [N,H,D], k [M,K,D], v [M,K,Dv] -> (out [N,H,Dv] in q.dtype, lse [N,H] fp32/fp64)``."""
     _check(q, k, v, causal, window)
+    ct, g = _compute_dtype(q), q.shape[1] // k.shape[1]
     outs, lses = [], []
-    for q0, q1, k0, k1, cq, ck in _entry_groups(cu_seqlens_q, cu_seqlens_k):
-        qg, kg, vg = _rows(q, q0, q1), _rows(k, k0, k1), _rows(v, k0, k1)
-        p, lse_HN, ct, groups = _probs(qg, kg, cq, ck, causal, window, scale)
-        outs.append(torch.einsum("hnm,mhd->nhd", p, _expand(vg, groups).to(ct)).to(q.dtype))
-        lses.append(lse_HN.t().float())
+    for grp in _entry_groups(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+        qh, kh, vh, cu_q, cu_k = _inputs(grp, q, k, v, ct)
+        p, lse = _probs(qh, kh, _visibility(cu_q, cu_k, grp.wq, grp.wk, causal, window), scale)
+        o = p.flatten(2, 3) @ vh  # [E, K, G*Wq, Dv]
+        n = _rows_of(q, grp, False).shape[0]
+        outs.append(_unheads(o, g, cu_q, n).to(q.dtype))
+        lses.append(_unheads(lse.flatten(2, 3)[..., None], g, cu_q, n)[..., 0])
+    if not outs:
+        return q.new_zeros((0, q.shape[1], v.shape[2])), q.new_zeros((0, q.shape[1]), dtype=ct)
     return torch.cat(outs), torch.cat(lses)
 
 
@@ -113,29 +194,27 @@ def attn_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     """Gradients of :func:`attn_fwd` given the *final* (merged) ``out`` and ``lse [N,H]``.
 
     Using the merged lse makes each call's probabilities the true global ones, so partial
-    gradients from different KV blocks simply add up.
+    gradients from different KV blocks simply add up. Partials come back in fp32 (fp64 for
+    fp64 input): callers accumulate them across KV blocks without extra rounding.
     """
     _check(q, k, v, causal, window)
-    grads = []
-    for q0, q1, k0, k1, cq, ck in _entry_groups(cu_seqlens_q, cu_seqlens_k):
-        qd, qq, qo, ql = (_rows(x, q0, q1) for x in (dout, q, out, lse))
-        kk, kv = _rows(k, k0, k1), _rows(v, k0, k1)
-        grads.append(_bwd_dense(qd, qq, kk, kv, qo, ql, cq, ck, causal, window, scale))
-    return tuple(torch.cat([g[i] for g in grads]) for i in range(3))
-
-
-def _bwd_dense(dout, q, k, v, out, lse, cu_q, cu_k, causal, window, scale):
-    lse_HN = lse.t().to(torch.float64 if q.dtype == torch.float64 else torch.float32)
-    p, _, ct, groups = _probs(q, k, cu_q, cu_k, causal, window, scale, lse_HN)
-    do = dout.to(ct)
-    dv = torch.einsum("hnm,nhd->mhd", p, do)
-    dp = torch.einsum("nhd,mhd->hnm", do, _expand(v, groups).to(ct))
-    delta = (do * out.to(ct)).sum(-1).t()[..., None]  # [H, N, 1]
-    ds = p * (dp - delta)
-    dq = torch.einsum("hnm,mhd->nhd", ds, _expand(k, groups).to(ct)) * scale
-    dk = torch.einsum("hnm,nhd->mhd", ds, q.to(ct)) * scale
-    if groups > 1:
-        dk = dk.unflatten(1, (k.shape[1], groups)).sum(2)
-        dv = dv.unflatten(1, (k.shape[1], groups)).sum(2)
-    # fp32 (fp64) partials: callers accumulate them across KV blocks without extra rounding.
-    return dq, dk, dv
+    ct, hk = _compute_dtype(q), k.shape[1]
+    g = q.shape[1] // hk
+    dqs, dks, dvs = [], [], []
+    for grp in _entry_groups(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+        qh, kh, vh, cu_q, cu_k = _inputs(grp, q, k, v, ct)
+        doh, outh = _query_side(dout, grp, cu_q, hk, ct), _query_side(out, grp, cu_q, hk, ct)
+        lse_h = _query_side(lse[..., None], grp, cu_q, hk, ct)[..., 0].unflatten(2, (g, grp.wq))
+        vis = _visibility(cu_q, cu_k, grp.wq, grp.wk, causal, window)
+        p = _probs(qh, kh, vis, scale, lse_h)[0].flatten(2, 3)  # [E, K, G*Wq, Wk]
+        dvh = p.transpose(-1, -2) @ doh
+        delta = (doh * outh).sum(-1, keepdim=True)  # [E, K, G*Wq, 1]
+        ds = (doh @ vh.transpose(-1, -2)).sub_(delta).mul_(p)
+        nq, nk = _rows_of(q, grp, False).shape[0], _rows_of(k, grp, True).shape[0]
+        dqs.append(_unheads(ds @ kh * scale, g, cu_q, nq))
+        dks.append(_unheads((ds.transpose(-1, -2) @ qh) * scale, 1, cu_k, nk))
+        dvs.append(_unheads(dvh, 1, cu_k, nk))
+    if not dqs:
+        z = lambda x: torch.zeros(x.shape, dtype=ct, device=x.device)  # noqa: E731
+        return z(q), z(k), z(v)
+    return torch.cat(dqs), torch.cat(dks), torch.cat(dvs)

@@ -52,6 +52,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=None,
         help="chunked attention: tokens attend only within aligned chunks of this many positions",
     )
+    group.add_argument(
+        "--cp-attention-check",
+        action="store_true",
+        help="compare every attention call's arguments across CP ranks (one small all-gather and a host "
+        "sync per layer call): rank-local drift raises on every rank instead of hanging; off by default, "
+        "see docs/reliability.md",
+    )
     return parser
 
 
@@ -105,4 +112,5 @@ def cp_attention_options_from_args(args: argparse.Namespace) -> Any:
         load_balance=getattr(args, "cp_load_balance", "dualchunk"),
         backend=getattr(args, "cp_attention_backend", "auto"),
         chunk_size=getattr(args, "cp_attention_chunk_size", None),
+        check=getattr(args, "cp_attention_check", False),
     )

@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from ..sharding import CPSharding, shard_sequences
+from ..sharding import CPSharding, check_cu_seqlens, shard_sequences
+from ..validation import CPArgumentError
 
 __all__ = [
     "CPBatchContext",
@@ -87,7 +88,7 @@ def make_packed_seq_params(
     global ``cu_seqlens_q/kv`` (int32 on ``device``) exactly as Megatron expects, plus the
     sharding, so every layer reuses one plan and nothing syncs with the device.
     """
-    cu_cpu = torch.as_tensor(cu_seqlens, dtype=torch.int64, device="cpu")
+    cu_cpu = torch.tensor(_host_cu_seqlens(cu_seqlens), dtype=torch.int64)
     size, rank = _group_size_rank(cp_group)
     sharding = shard_sequences(cu_cpu, size, balance=balance)
     cu_dev = cu_cpu.to(torch.int32).to(device or "cpu", non_blocking=True)
@@ -103,6 +104,14 @@ def make_packed_seq_params(
     )
     setattr(params, _CONTEXT_ATTR, CPBatchContext(sharding=sharding, rank=rank, source=cu_dev))
     return params
+
+
+def _host_cu_seqlens(cu_seqlens: torch.Tensor | Sequence[int]) -> list[int]:
+    """Validated host ints (float or bool ``cu_seqlens`` are refused, as by the core). A device
+    tensor costs one copy to the host per micro-batch."""
+    if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.device.type != "cpu":
+        cu_seqlens = cu_seqlens.detach().cpu()
+    return check_cu_seqlens(cu_seqlens)
 
 
 def _layout_cu_seqlens(params: PackedSeqParams) -> torch.Tensor:
@@ -128,7 +137,7 @@ def cp_context(params: PackedSeqParams, cp_size: int, cp_rank: int, balance: str
             )
         return ctx
     # One host copy per micro-batch (a sync if cu lives on the GPU); never per layer.
-    sharding = shard_sequences(cu.detach().to("cpu", torch.int64), cp_size, balance=balance)
+    sharding = shard_sequences(_host_cu_seqlens(cu), cp_size, balance=balance)
     ctx = CPBatchContext(sharding=sharding, rank=cp_rank, source=cu)
     setattr(params, _CONTEXT_ATTR, ctx)
     return ctx
@@ -150,6 +159,25 @@ def zigzag_positions(s_local: int, cp_size: int, rank: int) -> torch.Tensor:
     return torch.cat([first, second])
 
 
+_TOKEN_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
+"""Batch entries that are per token by definition: they must be ``[b, T, ...]``."""
+
+
+def _check_thd_tensor(key: str, val: torch.Tensor, total: int) -> None:
+    """A packed-batch tensor must span the whole batch along dim 1 (Megatron's ``[1, T]``);
+    anything else would pass through unsharded and fail (or be wrong) much later."""
+    if val.dim() >= 2 and val.shape[1] != total:
+        raise CPArgumentError(
+            f"batch[{key!r}] has {val.shape[1]} tokens along dim 1 (shape {tuple(val.shape)}) but cu_seqlens "
+            f"describe {total}; every [1, T, ...] tensor of a packed batch must span all T tokens"
+        )
+    if val.dim() < 2 and (key in _TOKEN_KEYS or (val.dim() == 1 and val.shape[0] == total)):
+        raise CPArgumentError(
+            f"batch[{key!r}] has shape {tuple(val.shape)}; per-token tensors of a packed batch are "
+            f"[1, T, ...] with T = {total} (cu_seqlens)"
+        )
+
+
 def _shard_thd(batch: dict, cu_seqlens, cp_group, balance: str) -> dict:
     size, rank = _group_size_rank(cp_group)
     sample = next((v for v in batch.values() if isinstance(v, torch.Tensor) and v.dim() >= 2), None)
@@ -157,11 +185,14 @@ def _shard_thd(batch: dict, cu_seqlens, cp_group, balance: str) -> dict:
     params = make_packed_seq_params(cu_seqlens, cp_group=cp_group, balance=balance, device=device)
     ctx: CPBatchContext = getattr(params, _CONTEXT_ATTR)
     total = ctx.sharding.total_tokens
+    for key, val in batch.items():  # validate everything before returning anything
+        if key != "attention_mask" and isinstance(val, torch.Tensor):
+            _check_thd_tensor(key, val, total)
     out: dict = {}
     for key, val in batch.items():
         if key == "attention_mask":
             out[key] = None  # THD attention is defined by cu_seqlens, not by a dense mask
-        elif isinstance(val, torch.Tensor) and val.dim() >= 2 and val.shape[1] == total:
+        elif isinstance(val, torch.Tensor) and val.dim() >= 2:
             out[key] = ctx.sharding.shard(val, rank, dim=1)
         else:
             out[key] = val
@@ -172,8 +203,25 @@ def _shard_thd(batch: dict, cu_seqlens, cp_group, balance: str) -> dict:
     return out
 
 
+def _check_seq_lengths(batch: dict) -> None:
+    """bshd: every ``[b, s, ...]`` tensor must have the same ``s`` (else each would be cut at
+    different places and tokens, labels and masks would silently stop lining up)."""
+    lengths = {}
+    for key, val in batch.items():
+        if isinstance(val, torch.Tensor) and val.dim() >= (3 if key == "attention_mask" else 2):
+            lengths[key] = val.shape[2 if key == "attention_mask" else 1]
+    if len(set(lengths.values())) > 1:
+        ref = "tokens" if "tokens" in lengths else next(iter(lengths))
+        bad = next(k for k, n in lengths.items() if n != lengths[ref])
+        raise CPArgumentError(
+            f"batch[{bad!r}] has sequence length {lengths[bad]} but batch[{ref!r}] has {lengths[ref]}; "
+            "every [b, s, ...] tensor of the batch must share s (dim 2 for attention_mask)"
+        )
+
+
 def _shard_zigzag(batch: dict, cp_group) -> dict:
     size, rank = _group_size_rank(cp_group)
+    _check_seq_lengths(batch)
     if size == 1:
         return dict(batch)
     out: dict = {}

@@ -28,7 +28,9 @@ from megatron.core.transformer.utils import is_layer_window_attention
 
 from .. import COMM_TYPES, cp_attention
 from ..backends import BACKENDS
+from ..groups import HierarchicalCPGroups
 from ..sharding import BALANCES
+from ..validation import CPArgumentError, as_bool, as_choice, as_chunk, as_window
 from .batch import cp_context
 
 __all__ = ["CPAttentionOptions", "CPCoreAttention", "hierarchical_groups_from_sizes", "resolve_cp_comm_type"]
@@ -48,14 +50,17 @@ class CPAttentionOptions:
     chunk_size: int | None = None
     """Chunked attention (attend only within ``[n*c, (n+1)*c)``); ``None`` falls back to
     ``config.attention_chunk_size`` when the config has one."""
+    check: bool = False
+    """Compare every attention call's arguments across CP ranks (``cp_attention(check=True)``):
+    one small all-gather and a host sync per layer call, so that rank-local drift raises on
+    every rank instead of hanging. Off by default; see ``docs/reliability.md`` for its cost."""
 
     def __post_init__(self) -> None:
-        if self.load_balance not in BALANCES:
-            raise ValueError(f"load_balance must be one of {BALANCES}, got {self.load_balance!r}")
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
-        if self.chunk_size is not None and self.chunk_size < 1:
-            raise ValueError(f"chunk_size must be a positive int or None, got {self.chunk_size!r}")
+        if not isinstance(self.load_balance, str) or self.load_balance not in BALANCES:
+            raise CPArgumentError(f"load_balance must be one of {BALANCES}, got {self.load_balance!r}")
+        as_choice(self.backend, "backend", BACKENDS)
+        as_chunk(self.chunk_size)
+        as_bool(self.check, "check")
 
 
 def resolve_cp_comm_type(cp_comm_type: str | None, config: TransformerConfig, layer_number: int) -> str:
@@ -104,7 +109,7 @@ def hierarchical_groups_from_sizes(cp_group: dist.ProcessGroup, sizes: Sequence[
                     if dist.get_rank() in sub:
                         mine[level] = g
             if group_ranks == ranks:
-                _HCP_CACHE[key] = mine
+                _HCP_CACHE[key] = HierarchicalCPGroups(mine[0], mine[1], cp_group)
     return _HCP_CACHE[key]
 
 
@@ -115,7 +120,8 @@ def _hierarchical_groups(config: TransformerConfig, pg: ProcessGroupCollection, 
     if groups:
         if len(groups) != 2:
             raise ValueError(f"cp_comm_type 'a2a+p2p' supports two levels [a2a, p2p]; got {len(groups)} groups")
-        return list(groups)
+        # Carry the whole CP group: the engine's consistency exchange runs on it.
+        return HierarchicalCPGroups(groups[0], groups[1], cp_group)
     sizes = getattr(config, "hierarchical_context_parallel_sizes", None)
     if sizes:
         return hierarchical_groups_from_sizes(cp_group, sizes)
@@ -170,12 +176,15 @@ class CPCoreAttention(MegatronModule):
             self.comm_group = _hierarchical_groups(config, pg_collection, cp_group) if use_hcp else cp_group
         window = config.window_size
         use_window = is_layer_window_attention(window, config.window_attn_skip_freq, self.layer_number)
-        self.window_size = tuple(int(w) for w in window) if use_window else (-1, -1)
+        self.window_size = as_window(window, "config.window_size") if use_window else (-1, -1)
         self.chunk_size = self.options.chunk_size or getattr(config, "attention_chunk_size", None)
         self.softmax_scale = softmax_scale
         self._engine_kwargs = {"backend": self.options.backend} if self.options.backend != "auto" else {}
-        if self._engine_kwargs and "backend" not in inspect.signature(cp_attention).parameters:
-            raise ValueError("this megatron_cp_ext engine has no backend selection; use backend='auto'")
+        if self.options.check:
+            self._engine_kwargs["check"] = True
+        missing = set(self._engine_kwargs) - set(inspect.signature(cp_attention).parameters)
+        if missing:
+            raise ValueError(f"this megatron_cp_ext engine has no {sorted(missing)} option; leave it at its default")
 
     @staticmethod
     def _check_supported(config, attn_mask_type, attention_type, attention_dropout) -> None:

@@ -6,12 +6,13 @@ are put in global (sequence, position) order by one gather with a plan index, so
 sequence is contiguous and the local calls need no further gathers. Attention over those
 tokens is then the ``p2p`` ring across the ``P`` a2a groups (``P == 1`` for plain ``a2a``: a
 ring of one, no communication) — the very same ring, calls and merge as ``p2p``. The output
-goes back through the inverse permutation and all-to-all. The communication steps are their
-own autograd functions, so the backward mirrors them without a second copy of the ring.
+goes back through the inverse permutation and all-to-all; the backward mirrors every step.
 
 K/V heads: if ``hkv % A == 0`` they split like query heads; if ``A % hkv == 0`` (MQA/GQA with
 few KV heads) each KV head is replicated ``A / hkv`` times before the all-to-all, so every
-member receives the KV head its query heads use; autograd sums the replicas' gradients.
+member receives the KV head its query heads use. The replicas' gradients come back from the
+ring in fp32 (fp64 for fp64 input), travel home and are summed in that precision and rounded
+once, so bf16 dK/dV lose nothing to replication.
 """
 
 from __future__ import annotations
@@ -126,39 +127,56 @@ def _heads_to_seq(y: torch.Tensor, plan: A2APlan, group, t: int) -> torch.Tensor
     return back.unflatten(0, (a, t)).transpose(0, 1).flatten(1, 2)
 
 
-class _SeqToHeads(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, plan, group):
-        ctx.plan, ctx.group, ctx.t = plan, group, x.shape[0]
-        return _seq_to_heads(x, plan, group)
+class _A2AAttention(torch.autograd.Function):
+    """a2a -> ring over the a2a groups -> inverse a2a, as one autograd node.
 
-    @staticmethod
-    def backward(ctx, g):
-        return _heads_to_seq(g.contiguous(), ctx.plan, ctx.group, ctx.t), None, None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y, plan, group, t):
-        ctx.plan, ctx.group = plan, group
-        return _heads_to_seq(y, plan, group, t)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _seq_to_heads(g.contiguous(), ctx.plan, ctx.group), None, None, None
-
-
-def attention(q, k, v, run: Run, a2a_group, p2p_group, rep: int, core) -> torch.Tensor:
-    """a2a -> ring attention over the a2a groups' token sets -> inverse a2a.
-
-    ``core(q, k, v, run)`` applies the ring attention autograd function (shared with ``p2p``).
+    One node, not one per communication step, so the dK/dV of replicated KV heads stay in the
+    ring's fp32 (fp64) accumulators through the reverse all-to-all and the replica sum, and are
+    rounded to the input dtype once. Separate nodes would round every replica's partial to
+    bf16 before the sum (autograd casts a gradient to its input's dtype at every edge).
+    Saves what the ring saves (head-sharded q, kv, out and lse), nothing more.
     """
+
+    @staticmethod
+    def forward(ctx, q, k, v, run: Run, a2a_group, rep: int):
+        plan: A2APlan = run.plan
+        kv = torch.cat([k, v], dim=-1)
+        if rep > 1:
+            kv = kv.repeat_interleave(rep, dim=1)
+        kv_h = _seq_to_heads(kv, plan, a2a_group)
+        q_h = _seq_to_heads(q, plan, a2a_group)
+        ctx.run, ctx.group, ctx.rep, ctx.dk, ctx.t = run, a2a_group, rep, k.shape[-1], q.shape[0]
+        out_h, lse = p2p.forward(run.ring, q_h, kv_h[..., : ctx.dk], kv_h[..., ctx.dk :])
+        ctx.save_for_backward(q_h, kv_h, out_h, lse)
+        return _heads_to_seq(out_h, plan, a2a_group, q.shape[0])
+
+    @staticmethod
+    def backward(ctx, dout):
+        q_h, kv_h, out_h, lse = ctx.saved_tensors
+        plan, group, dk, dtype = ctx.run.plan, ctx.group, ctx.dk, q_h.dtype
+        dout_h = _seq_to_heads(dout.contiguous(), plan, group)
+        k_h, v_h = kv_h[..., :dk], kv_h[..., dk:]
+        dq_h, dk_h, dv_h = p2p.backward(ctx.run.ring, dout_h, q_h, k_h, v_h, out_h, lse)  # fp32 / fp64
+        dq = _heads_to_seq(dq_h.to(dtype), plan, group, ctx.t)
+        dkv_h = torch.cat([dk_h, dv_h], dim=-1)
+        if ctx.rep == 1:  # nothing to sum: move dK/dV in the input dtype
+            dkv = _heads_to_seq(dkv_h.to(dtype), plan, group, ctx.t)
+        else:  # replicas travel home in fp32 and are summed there, then rounded once
+            dkv = _heads_to_seq(dkv_h, plan, group, ctx.t)
+            dkv = dkv.unflatten(1, (dkv.shape[1] // ctx.rep, ctx.rep)).sum(2).to(dtype)
+        return dq, dkv[..., :dk], dkv[..., dk:], None, None, None
+
+
+@dataclass(frozen=True)
+class _A2ARun:
+    """The a2a plan plus the ring's own :class:`Run` (the plan over the a2a groups)."""
+
+    plan: A2APlan
+    ring: Run
+
+
+def attention(q, k, v, run: Run, a2a_group, p2p_group, rep: int) -> torch.Tensor:
+    """a2a -> ring attention over the a2a groups' token sets -> inverse a2a (differentiable)."""
     plan: A2APlan = run.plan
-    if rep > 1:
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    dk = k.shape[-1]
-    kv_h = _SeqToHeads.apply(torch.cat([k, v], dim=-1), plan, a2a_group)
-    q_h = _SeqToHeads.apply(q, plan, a2a_group)
-    ring_run = replace(run, plan=plan.ring, group=p2p_group)
-    out_h = core(q_h, kv_h[..., :dk], kv_h[..., dk:], ring_run)
-    return _HeadsToSeq.apply(out_h, plan, a2a_group, q.shape[0])
+    ring = replace(run, plan=plan.ring, group=p2p_group)
+    return _A2AAttention.apply(q, k, v, _A2ARun(plan, ring), a2a_group, rep)

@@ -18,7 +18,7 @@ import torch
 from ..ops import gather_rows, index_add_rows, merge_partial
 from ..plan import VarlenCall
 
-__all__ = ["Run", "take", "accumulate", "step_forward", "step_backward", "pack_kv", "new_accumulators"]
+__all__ = ["Run", "take", "accumulate", "step_forward", "step_backward", "pack_kv", "new_accumulators", "acc_dtype"]
 
 
 @dataclass(frozen=True)
@@ -54,10 +54,16 @@ def pack_kv(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return torch.cat([k, v], dim=-1)
 
 
+def acc_dtype(x: torch.Tensor) -> torch.dtype:
+    """Accumulator dtype for merges and gradient sums: fp32, or fp64 for fp64 inputs (so fp64
+    is computed in fp64 end to end and passes ``gradcheck``)."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
 def new_accumulators(q: torch.Tensor, dv: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 output (zeros) and lse (-inf) accumulators for the online-softmax merge."""
-    out = q.new_zeros((q.shape[0], q.shape[1], dv), dtype=torch.float32)
-    lse = q.new_full((q.shape[0], q.shape[1]), float("-inf"), dtype=torch.float32)
+    """Output (zeros) and lse (-inf) accumulators for the online-softmax merge (:func:`acc_dtype`)."""
+    out = q.new_zeros((q.shape[0], q.shape[1], dv), dtype=acc_dtype(q))
+    lse = q.new_full((q.shape[0], q.shape[1]), float("-inf"), dtype=acc_dtype(q))
     return out, lse
 
 
@@ -99,4 +105,4 @@ def step_backward(
             c.cu_seqlens_q, c.cu_seqlens_k, c.max_seqlen_q, c.max_seqlen_k, c.causal, c.window, run.scale,
         )  # fmt: skip
         accumulate(dq, *qs, g_q)
-        accumulate(dkv, *ks, torch.cat([g_k.float(), g_v.float()], dim=-1))
+        accumulate(dkv, *ks, torch.cat([g_k.to(dkv.dtype), g_v.to(dkv.dtype)], dim=-1))

@@ -7,7 +7,7 @@ walks the same step numbers 1 .. n-1 — posting nothing where its plan has noth
 messages between any two ranks are posted in the same order on both sides.
 
 Backward: KV moves exactly as in forward. Right after a step's block is computed, its fp32
-dK/dV partial goes straight home to the owner (the same rows that arrived), and the partial
+(fp64 for fp64 input) dK/dV partial goes straight home to the owner (the same rows that arrived), and the partial
 of the rows this rank sent at that step comes back from their reader; the owner adds it
 to the partial of its own block one step later, so at most two are in flight. All sizes
 come from the host plan: nothing here reads a device value.
@@ -19,7 +19,7 @@ import torch
 
 from ..comm import Peers
 from ..ops import gather_rows
-from .common import Run, accumulate, new_accumulators, pack_kv, step_backward, step_forward
+from .common import Run, acc_dtype, accumulate, new_accumulators, pack_kv, step_backward, step_forward
 from .p2p_plan import P2PPlan, Rows, Step, build_plan
 
 __all__ = ["P2PPlan", "build_plan", "forward", "backward"]
@@ -106,8 +106,8 @@ def _land(home: tuple | None, dkv: torch.Tensor) -> None:
 def backward(run: Run, dout, q, k, v, out, lse) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     saved = (dout, q, out, lse)
     walk = _Steps(run, pack_kv(k, v))
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    dkv = torch.zeros(walk.own.shape, dtype=torch.float32, device=q.device)
+    dq = torch.zeros(q.shape, dtype=acc_dtype(q), device=q.device)
+    dkv = torch.zeros(walk.own.shape, dtype=acc_dtype(q), device=q.device)
     pending = walk.post_kv(1)
     step_backward(walk.plan.own.on(q.device), run, saved, walk.own, dq, dkv)
     home = None
@@ -119,7 +119,7 @@ def backward(run: Run, dout, q, k, v, out, lse) -> tuple[torch.Tensor, torch.Ten
         if st is not None:
             part = None
             if buf is not None:
-                part = torch.zeros((st.recv.n, *dkv.shape[1:]), dtype=torch.float32, device=q.device)
+                part = torch.zeros((st.recv.n, *dkv.shape[1:]), dtype=dkv.dtype, device=q.device)
                 step_backward(st.plan.on(q.device), run, saved, buf, dq, part)
             back = dkv.new_empty((st.send.n, *dkv.shape[1:])) if st.send.n else None
             sends = [(st.src, part)] if part is not None else []
@@ -128,4 +128,4 @@ def backward(run: Run, dout, q, k, v, out, lse) -> tuple[torch.Tensor, torch.Ten
             home = (batch, back, st.send, part)
         pending = nxt
     _land(home, dkv)
-    return dq.to(q.dtype), dkv[..., : run.dk].to(k.dtype), dkv[..., run.dk :].to(v.dtype)
+    return dq, dkv[..., : run.dk], dkv[..., run.dk :]  # accumulator dtype: the caller rounds once

@@ -38,7 +38,7 @@ PLAN_MASKS = [
     dict(causal=True, window_size=(2, -1), chunk_size=5),
 ]
 
-TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3.5e-2, torch.float16: 5e-3}
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3.5e-2, torch.float16: 5e-3, torch.float64: 1e-10}
 
 
 @dataclass(frozen=True)
@@ -64,6 +64,7 @@ class AttnCase:
     qkv_format: str = "thd"
     """``bshd``/``sbhd``: ``seqlens`` must be b equal lengths; ranks get Megatron's zigzag split."""
     extra: dict = field(default_factory=dict)
+    """More ``cp_attention`` keywords (``softmax_scale``, ``check``, ``backend``)."""
 
     @property
     def cu_seqlens(self) -> list[int]:
@@ -152,7 +153,7 @@ def run_case(rank: int, world: int, case: AttnCase) -> dict[str, torch.Tensor]:
     out = mcx.cp_attention(
         q, k, v, cp_group=cp_group_for(case, world), comm_type=case.comm_type, qkv_format=case.qkv_format,
         sharding=sharding,
-        causal=case.causal, window_size=case.window_size, chunk_size=case.chunk_size,
+        causal=case.causal, window_size=case.window_size, chunk_size=case.chunk_size, **case.extra,
     )  # fmt: skip
     out.backward(dout)
     return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
@@ -165,8 +166,9 @@ def check_case(results: list[dict[str, torch.Tensor]], case: AttnCase) -> dict[s
     # the reference sees the same rounded inputs as the ranks did
     q, k, v = (x.to(dtype).double().requires_grad_() for x in (q, k, v))
     ref = dense_attention(
-        q, k, v, case.cu_seqlens, causal=case.causal, window_size=case.window_size, chunk_size=case.chunk_size
-    )
+        q, k, v, case.cu_seqlens, causal=case.causal, window_size=case.window_size, chunk_size=case.chunk_size,
+        softmax_scale=case.extra.get("softmax_scale"),
+    )  # fmt: skip
     ref.backward(dout.to(dtype).double())
     want = {"out": ref, "dq": q.grad, "dk": k.grad, "dv": v.grad}
     errors = {}

@@ -39,3 +39,38 @@ def test_flash_matches_reference(causal, window, hq, hkv, d, dv, dtype):
     want = reference.attn_bwd(dout, q, k, v, ref_out, ref_lse, *args)
     for g, w in zip(got, want):
         torch.testing.assert_close(g.float(), w.float(), atol=5e-2, rtol=0)
+
+
+@pytest.mark.parametrize("tensor", ["q", "k", "v", "dout"])
+@pytest.mark.parametrize("causal, window", [(True, (-1, 0)), (False, (5, -1))])
+def test_flash_nan_stays_in_its_entry(tensor, causal, window):
+    """As tests/L0/test_nan_isolation.py for the reference backend: a NaN row in one entry
+    changes nothing in the others (flash kernels compute entries separately)."""
+    dev = torch.device("cuda")
+    lq, lk = [97, 1, 256, 33], [97, 5, 300, 33]
+    cu_q = torch.tensor([0, *lq], device=dev).cumsum(0).int()
+    cu_k = torch.tensor([0, *lk], device=dev).cumsum(0).int()
+    args = (cu_q, cu_k, max(lq), max(lk), causal, window, 0.125)
+    results = []
+    for poison in (False, True):
+        g = torch.Generator(device=dev).manual_seed(0)
+        x = {
+            "q": torch.randn(sum(lq), 8, 64, device=dev, generator=g),
+            "k": torch.randn(sum(lk), 2, 64, device=dev, generator=g),
+            "v": torch.randn(sum(lk), 2, 32, device=dev, generator=g),
+            "dout": torch.randn(sum(lq), 8, 32, device=dev, generator=g),
+        }
+        x = {n: t.to(torch.bfloat16) for n, t in x.items()}
+        if poison:  # entry 2, one row in its middle
+            cu = cu_q if tensor in ("q", "dout") else cu_k
+            x[tensor][int(cu[2]) + 50] = float("nan")
+        out, lse = flash.attn_fwd(x["q"], x["k"], x["v"], *args)
+        results.append((out, lse, *flash.attn_bwd(x["dout"], x["q"], x["k"], x["v"], out, lse, *args)))
+    keep_q = torch.ones(sum(lq), dtype=torch.bool, device=dev)
+    keep_q[int(cu_q[2]) : int(cu_q[3])] = False
+    keep_k = torch.ones(sum(lk), dtype=torch.bool, device=dev)
+    keep_k[int(cu_k[2]) : int(cu_k[3])] = False
+    for i, rows in enumerate((keep_q, keep_q, keep_q, keep_k, keep_k)):
+        clean, poisoned = results[0][i][rows].float(), results[1][i][rows].float()
+        assert torch.isfinite(poisoned).all()
+        torch.testing.assert_close(poisoned, clean, atol=1e-2, rtol=0)  # dq may use atomics
