@@ -176,7 +176,9 @@ def check_case(results: list[dict[str, torch.Tensor]], case: AttnCase) -> dict[s
         got = global_thd(case, [r[name] for r in results]).double()
         assert got.shape == w.shape, (name, got.shape, w.shape)
         assert torch.isfinite(got).all(), f"{name} has non-finite values for {asdict(case)}"
-        errors[name] = (got - w).abs().max().item() if got.numel() else 0.0
+        # absolute error, relative to the magnitude once that exceeds 1 (large scales and long
+        # documents give gradients well above 1; fp32 rounding is relative)
+        errors[name] = (got - w).abs().max().item() / max(1.0, w.abs().max().item()) if got.numel() else 0.0
     tol = TOLERANCE[dtype]
     bad = {n: e for n, e in errors.items() if e > tol}
     assert not bad, f"errors {bad} above {tol} for {case}"
