@@ -146,7 +146,12 @@ def local_batch(args: argparse.Namespace, batch: dict, device: torch.device) -> 
     cp_group = parallel_state.get_context_parallel_group()
     tensors = {k: v.to(device) for k, v in batch.items() if k != "cu_seqlens"}
     if args.qkv_format == "thd":
-        return get_batch_on_this_cp_rank(tensors, batch["cu_seqlens"], cp_group, balance=args.cp_load_balance)
+        # the model's mask: the workload balance evens out attention work under it
+        mask = {"window_size": tuple(args.window_size) if args.window_size else (-1, -1),
+                "chunk_size": args.cp_attention_chunk_size}  # fmt: skip
+        return get_batch_on_this_cp_rank(
+            tensors, batch["cu_seqlens"], cp_group, balance=args.cp_load_balance, causal=True, **mask
+        )
     s = tensors["tokens"].shape[1]
     tensors["position_ids"] = torch.arange(s, device=device).expand_as(tensors["tokens"])
     return get_batch_on_this_cp_rank(tensors, cp_group=cp_group)

@@ -22,7 +22,7 @@ __all__ = [
 ]
 
 _COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
-_BALANCES = ("dualchunk", "contiguous")
+_BALANCES = ("workload", "dualchunk", "contiguous")  # megatron_cp_ext.BALANCES (no torch import here)
 _BACKENDS = ("auto", "reference", "flash")
 
 
@@ -36,9 +36,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument(
         "--cp-load-balance",
         choices=_BALANCES,
-        default="dualchunk",
-        help="how packed (THD) sequences are split across CP ranks: dualchunk (causal-balanced, "
-        "any lengths) or contiguous (for windowed attention)",
+        default="workload",
+        help="how packed (THD) sequences are split across CP ranks: workload (short documents whole, "
+        "long ones in 128-aligned pieces, attention work balanced under the mask), dualchunk (every "
+        "sequence in 2*cp chunks) or contiguous (cp slices of every sequence)",
     )
     group.add_argument(
         "--cp-attention-backend",
@@ -109,7 +110,7 @@ def cp_attention_options_from_args(args: argparse.Namespace) -> Any:
     from .core_attention import CPAttentionOptions
 
     return CPAttentionOptions(
-        load_balance=getattr(args, "cp_load_balance", "dualchunk"),
+        load_balance=getattr(args, "cp_load_balance", "workload"),
         backend=getattr(args, "cp_attention_backend", "auto"),
         chunk_size=getattr(args, "cp_attention_chunk_size", None),
         check=getattr(args, "cp_attention_check", False),

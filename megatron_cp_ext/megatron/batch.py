@@ -79,18 +79,24 @@ def make_packed_seq_params(
     cu_seqlens: torch.Tensor | Sequence[int],
     *,
     cp_group: dist.ProcessGroup | None = None,
-    balance: str = "dualchunk",
+    balance: str = "workload",
     device: torch.device | str | None = None,
+    causal: bool = True,
+    window_size: tuple[int, int] = (-1, -1),
+    chunk_size: int | None = None,
 ) -> PackedSeqParams:
     """A THD ``PackedSeqParams`` for one micro-batch, with the CP plan cache attached.
 
     ``cu_seqlens`` are the *global* prefix sums on the host. The returned object carries
     global ``cu_seqlens_q/kv`` (int32 on ``device``) exactly as Megatron expects, plus the
-    sharding, so every layer reuses one plan and nothing syncs with the device.
+    sharding, so every layer reuses one plan and nothing syncs with the device. ``causal``,
+    ``window_size``, ``chunk_size``: the model's attention mask, which the ``workload``
+    balance balances work under (any sharding is exact under any mask).
     """
     cu_cpu = torch.tensor(_host_cu_seqlens(cu_seqlens), dtype=torch.int64)
     size, rank = _group_size_rank(cp_group)
-    sharding = shard_sequences(cu_cpu, size, balance=balance)
+    mask = {"causal": causal, "window_size": window_size, "chunk_size": chunk_size}
+    sharding = shard_sequences(cu_cpu, size, balance=balance, **mask)
     cu_dev = cu_cpu.to(torch.int32).to(device or "cpu", non_blocking=True)
     lengths = cu_cpu[1:] - cu_cpu[:-1]
     max_len = int(lengths.max()) if lengths.numel() else 0
@@ -125,8 +131,11 @@ def _layout_cu_seqlens(params: PackedSeqParams) -> torch.Tensor:
     return cu_q
 
 
-def cp_context(params: PackedSeqParams, cp_size: int, cp_rank: int, balance: str = "dualchunk") -> CPBatchContext:
-    """The micro-batch's :class:`CPBatchContext`, derived once and cached on ``params``."""
+def cp_context(
+    params: PackedSeqParams, cp_size: int, cp_rank: int, balance: str = "workload", **mask: Any
+) -> CPBatchContext:
+    """The micro-batch's :class:`CPBatchContext`, derived once and cached on ``params``
+    (``mask``: ``shard_sequences``'s ``causal``/``window_size``/``chunk_size``)."""
     cu = _layout_cu_seqlens(params)
     ctx = getattr(params, _CONTEXT_ATTR, None)
     if ctx is not None and ctx.source is cu:
@@ -137,7 +146,7 @@ def cp_context(params: PackedSeqParams, cp_size: int, cp_rank: int, balance: str
             )
         return ctx
     # One host copy per micro-batch (a sync if cu lives on the GPU); never per layer.
-    sharding = shard_sequences(_host_cu_seqlens(cu), cp_size, balance=balance)
+    sharding = shard_sequences(_host_cu_seqlens(cu), cp_size, balance=balance, **mask)
     ctx = CPBatchContext(sharding=sharding, rank=cp_rank, source=cu)
     setattr(params, _CONTEXT_ATTR, ctx)
     return ctx
@@ -178,11 +187,11 @@ def _check_thd_tensor(key: str, val: torch.Tensor, total: int) -> None:
         )
 
 
-def _shard_thd(batch: dict, cu_seqlens, cp_group, balance: str) -> dict:
+def _shard_thd(batch: dict, cu_seqlens, cp_group, balance: str, mask: dict) -> dict:
     size, rank = _group_size_rank(cp_group)
     sample = next((v for v in batch.values() if isinstance(v, torch.Tensor) and v.dim() >= 2), None)
     device = sample.device if sample is not None else None
-    params = make_packed_seq_params(cu_seqlens, cp_group=cp_group, balance=balance, device=device)
+    params = make_packed_seq_params(cu_seqlens, cp_group=cp_group, balance=balance, device=device, **mask)
     ctx: CPBatchContext = getattr(params, _CONTEXT_ATTR)
     total = ctx.sharding.total_tokens
     for key, val in batch.items():  # validate everything before returning anything
@@ -244,7 +253,10 @@ def get_batch_on_this_cp_rank(
     cu_seqlens: torch.Tensor | Sequence[int] | None = None,
     cp_group: dist.ProcessGroup | None = None,
     *,
-    balance: str = "dualchunk",
+    balance: str = "workload",
+    causal: bool = True,
+    window_size: tuple[int, int] = (-1, -1),
+    chunk_size: int | None = None,
 ) -> dict:
     """This CP rank's part of a batch (a new dict; the input is not modified).
 
@@ -256,10 +268,12 @@ def get_batch_on_this_cp_rank(
     :func:`make_packed_seq_params`, carrying the plan cache). bshd (no ``cu_seqlens``):
     Megatron's dual-chunk split of dim 1 (dim 2 for ``attention_mask``), ``s % 2cp == 0``.
 
-    ``cp_group`` defaults to Megatron's CP group (``parallel_state``), or CP size 1.
+    ``cp_group`` defaults to Megatron's CP group (``parallel_state``), or CP size 1. ``balance``
+    and the model's mask (``causal``, ``window_size``, ``chunk_size``) choose the THD split.
     """
     if cp_group is None:
         cp_group = _default_cp_group()
     if cu_seqlens is not None:
-        return _shard_thd(batch, cu_seqlens, cp_group, balance)
+        mask = {"causal": causal, "window_size": window_size, "chunk_size": chunk_size}
+        return _shard_thd(batch, cu_seqlens, cp_group, balance, mask)
     return _shard_zigzag(batch, cp_group)

@@ -43,8 +43,9 @@ _MASK_PADDED = {AttnMaskType.padding_causal: True, AttnMaskType.padding: False}
 class CPAttentionOptions:
     """Options Megatron's config has no field for (see :mod:`.args` for the CLI flags)."""
 
-    load_balance: str = "dualchunk"
-    """THD token -> rank assignment for ``PackedSeqParams`` without a sharding attached."""
+    load_balance: str = "workload"
+    """THD token -> rank assignment for ``PackedSeqParams`` without a sharding attached (one of
+    :data:`megatron_cp_ext.BALANCES`; ``workload`` balances under this layer's mask)."""
     backend: str = "auto"
     """Local attention kernels: ``auto`` (flash on CUDA, exact reference on CPU) | ``reference`` | ``flash``."""
     chunk_size: int | None = None
@@ -203,6 +204,13 @@ class CPCoreAttention(MegatronModule):
                 f"got {attn_mask_type}"
             )
 
+    @property
+    def balance_mask(self) -> dict:
+        """The mask a sharding derived for this layer is balanced under (``shard_sequences``'s
+        ``causal``/``window_size``/``chunk_size``): the layer's own, from its config."""
+        causal = _MASK_CAUSAL.get(self.attn_mask_type, _MASK_PADDED.get(self.attn_mask_type, True))
+        return {"causal": causal, "window_size": self.window_size, "chunk_size": self.chunk_size}
+
     def _causal(self, attn_mask_type: AttnMaskType | None, thd: bool, attention_mask) -> bool:
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         if mask_type in _MASK_CAUSAL:
@@ -244,7 +252,8 @@ class CPCoreAttention(MegatronModule):
                 # Padded layouts put pad tokens at each sequence's end; only a causal mask
                 # keeps real tokens from seeing them.
                 raise ValueError("padded cu_seqlens (cu_seqlens_q_padded) are supported with causal masks only")
-            ctx = cp_context(packed_seq_params, self.cp_size, self.cp_rank, self.options.load_balance)
+            balance = self.options.load_balance
+            ctx = cp_context(packed_seq_params, self.cp_size, self.cp_rank, balance, **self.balance_mask)
             out = cp_attention(query, key, value, qkv_format="thd", sharding=ctx.sharding, **kwargs)
             return out.reshape(out.shape[0], -1)
         out = cp_attention(query, key, value, qkv_format="sbhd", **kwargs)

@@ -82,7 +82,8 @@ class CPSelfAttention(SelfAttention):
         positions = None
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             balance = getattr(self.core_attention, "options", CPAttentionOptions()).load_balance
-            ctx = cp_context(packed_seq_params, cp_size, cp_rank, balance)
+            mask = getattr(self.core_attention, "balance_mask", {})
+            ctx = cp_context(packed_seq_params, cp_size, cp_rank, balance, **mask)
             positions = ctx.positions(rotary_pos_emb.device)
         s_local = hidden_states.shape[0]
         return local_rope_freqs(rotary_pos_emb, positions=positions, s_local=s_local, cp_size=cp_size, cp_rank=cp_rank)

@@ -127,3 +127,16 @@ def test_gpt_training_matches_cp1(cp1_losses, tmp_path, nproc: int, comm: list[s
     losses = _train(nproc, tmp_path, "--context-parallel-size", str(nproc), "--cp-comm-type", *comm)
     assert len(losses) == 3
     assert max(abs(a - b) for a, b in zip(losses, cp1_losses)) < 1e-4, (losses, cp1_losses)
+
+
+def test_gpt_training_dualchunk_matches_cp1(cp1_losses, tmp_path) -> None:
+    losses = _train(2, tmp_path, "--context-parallel-size", "2", "--cp-load-balance", "dualchunk")
+    assert max(abs(a - b) for a, b in zip(losses, cp1_losses)) < 1e-4, (losses, cp1_losses)
+
+
+def test_gpt_training_workload_cut_documents_matches_cp1(tmp_path) -> None:
+    """Documents up to 600 tokens: the workload balance cuts the long ones across 4 ranks."""
+    data = ["--seq-length", "1024", "--max-doc-len", "600", "--cp-load-balance", "workload"]
+    ref = _train(1, tmp_path, "--context-parallel-size", "1", *data)
+    losses = _train(4, tmp_path, "--context-parallel-size", "4", "--cp-comm-type", "p2p", *data)
+    assert max(abs(a - b) for a, b in zip(losses, ref)) < 1e-4, (losses, ref)

@@ -16,6 +16,7 @@ pytest.importorskip("megatron.core")
 from megatron_cp_ext.testing.pool import run_on_ranks  # noqa: E402
 
 THD_LENGTHS = [7, 13, 1, 10, 0, 6]  # 37 tokens; odd lengths, an empty and a 1-token sequence
+THD_LONG = [300, 7, 1, 270, 0, 13]  # the workload balance cuts the long ones across ranks
 SBHD_SHAPE = (16, 2)  # s (divisible by 2*4), b
 HIDDEN, HEADS, GROUPS = 64, 8, 4  # head dim 8, GQA 2:1, heads divisible by cp for a2a
 # Comm types the engine does not implement yet (strict: an XPASS fails, so drop the entry
@@ -87,15 +88,19 @@ def _inputs(fmt: str, cp: int, rank: int):
 
     gen = torch.Generator().manual_seed(1)
     rope = CPRotaryEmbedding(HIDDEN // HEADS)
-    if fmt == "thd":
+    if fmt.startswith("thd"):
         from megatron.core import parallel_state
 
-        cu = torch.tensor([0] + THD_LENGTHS).cumsum(0)
+        lengths = THD_LONG if fmt == "thd-long" else THD_LENGTHS
+        cu = torch.tensor([0] + lengths).cumsum(0)
         x = torch.randn(int(cu[-1]), 1, HIDDEN, generator=gen)
         local = make_packed_seq_params(cu, cp_group=parallel_state.get_context_parallel_group())
+        if fmt == "thd-long":
+            sh = local._mcx_cp_context.sharding
+            assert sh.balance == "workload" and any(a > 0 for _, a, _ in sh.seg.tolist()), "expected cut documents"
         glob = make_packed_seq_params(cu)
         idx = local._mcx_cp_context.sharding.global_index(rank)
-        return x, x[idx], rope(max(THD_LENGTHS)), glob, local, idx
+        return x, x[idx], rope(max(lengths)), glob, local, idx
     s, b = SBHD_SHAPE
     x = torch.randn(s, b, HIDDEN, generator=gen)
     idx = zigzag_positions(s // cp, cp, rank)
@@ -148,8 +153,9 @@ CASES = [
     )
     for world in (2, 4)
     for comm in ("p2p", "all_gather", "a2a", "a2a+p2p")
-    for fmt in ("thd", "sbhd")
+    for fmt in ("thd", "sbhd", "thd-long")
     for window in (None, (5, 0))
+    if fmt != "thd-long" or window is None or comm == "p2p"
 ]
 
 
