@@ -33,14 +33,14 @@ ERROR_WAIT_S = 60.0
 """How long a rank with an invalid argument waits for the others to join the exchange before
 raising its error alone (they may be running attention on a cached plan; see check mode)."""
 
-_MAGIC = 0x4D4358_0A  # "MCX", signature layout 10: a rank with another layout never matches
+_MAGIC = 0x4D4358_0B  # "MCX", signature layout 11: a rank with another layout never matches
 _MSG_LEN = 1024
 
 FIELDS = (
     "magic", "error", "global_rank", "cp_rank", "comm_type", "cp_size", "a2a_size",
     "a2a_name", "a2a_members", "p2p_name", "p2p_members", "qkv_format", "check", "batch", "seq_local",
     "dtype", "device", "hq", "hkv", "dqk", "dv", "causal", "left", "right", "chunk", "scale", "backend",
-    "grad", "cu_crc", "total_tokens", "num_seqs", "seg_crc", "tokens", "rank_tokens",
+    "grad", "sink", "cu_crc", "total_tokens", "num_seqs", "seg_crc", "tokens", "rank_tokens",
 )  # fmt: skip
 """Signature layout (one int64 each); -1 where an erroring rank could not tell."""
 
@@ -191,6 +191,7 @@ _AGREE: list[tuple[tuple[str, ...], str, str, Callable]] = [
     (("scale",), "softmax_scale", " (resolved: None means 1/sqrt(head_dim))", _scale),
     (("backend",), "backend", " (resolved)", _name(_BACKENDS)),
     (("grad",), "requires_grad", " (whether q, k, v need gradients under grad mode)", lambda x: repr(bool(x))),
+    (("sink",), "softmax_offset", " (a tensor or None)", lambda x: "a tensor" if x else "None"),
     (("total_tokens", "num_seqs", "cu_crc"), "cu_seqlens", " (of the sharding)",
      lambda x: f"{x[0]} tokens in {x[1]} sequences (crc {x[2]:#x})"),
     (("seg_crc",), "sharding", " (token -> rank assignment: balance or custom segments)", lambda x: f"crc {x:#x}"),

@@ -27,7 +27,7 @@ from .backends import BACKENDS, get_backend
 from .groups import CPGroups, GroupInfo, cp_groups, ranks_crc
 from .masks import MaskSpec
 from .schedules import SCHEDULES, a2a, build_plan
-from .schedules.common import Run
+from .schedules.common import Run, apply_sink, sink_grad
 from .schedules.p2p import P2PPlan
 from .sharding import CPSharding, shard_sequences
 from .validation import (
@@ -41,6 +41,7 @@ from .validation import (
     as_scale,
     as_window,
     check_backend_dtype,
+    check_offset,
     check_qkv,
 )
 
@@ -54,18 +55,27 @@ beside the sharding rather than in its plan cache, which holds plans only."""
 
 
 class _CPAttention(torch.autograd.Function):
+    """One attention call: the schedule's forward/backward, the sink at the final merge, and
+    one rounding to the input dtype. Backward runs on the final ``out``/``lse`` (sink included),
+    so every partial gradient uses the true probabilities."""
+
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, run: Run, schedule: ModuleType):
-        out, lse = schedule.forward(run, q, k, v)
-        ctx.save_for_backward(q, k, v, out, lse)
+    def forward(ctx, q, k, v, offset: torch.Tensor | None, run: Run, schedule: ModuleType):
+        out, lse = schedule.forward(run, q, k, v)  # accumulator dtype
+        if offset is not None:
+            out, lse = apply_sink(out, lse, offset)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse, offset)
         ctx.run, ctx.schedule = run, schedule
         return out
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ctx.schedule.backward(ctx.run, dout.contiguous(), q, k, v, out, lse)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        q, k, v, out, lse, offset = ctx.saved_tensors
+        dout = dout.contiguous()
+        dq, dk, dv = ctx.schedule.backward(ctx.run, dout, q, k, v, out, lse)
+        d_off = sink_grad(dout, out, lse, offset).to(offset.dtype) if ctx.needs_input_grad[3] else None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), d_off, None, None
 
 
 @dataclass
@@ -96,8 +106,10 @@ class _Call:
     backend: ModuleType
     check: bool
     grad: bool
-    rep: int
-    """a2a KV-head replication."""
+    heads: tuple | None
+    """a2a head shards (:func:`.schedules.heads.split_heads`), None for other comm types."""
+    offset: torch.Tensor | None
+    """Softmax offset (attention sink) per query head, or None."""
 
 
 def _prepare(q, k, v, a: dict, known: _Known) -> _Call:
@@ -137,11 +149,14 @@ def _prepare(q, k, v, a: dict, known: _Known) -> _Call:
         )
     backend = get_backend(shapes.device, backend_name)
     check_backend_dtype(backend.__name__.rsplit(".", 1)[-1], shapes.dtype)
+    offset = check_offset(a["softmax_offset"], shapes)
     use_a2a = comm_type in ("a2a", "a2a+p2p") and groups.size > 1
-    rep = a2a.kv_replication(shapes.hq, shapes.hkv, groups.a2a_size) if use_a2a else 1
-    grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
+    heads = a2a.split_heads(shapes.hq, shapes.hkv, groups.a2a_size) if use_a2a else None
+    grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, offset) if x is not None)
     scale = scale if scale is not None else 1.0 / math.sqrt(shapes.dqk)
-    return _Call(q, k, v, shapes, groups, comm_type, fmt, seq_dims, sharding, mask, scale, backend, check, grad, rep)
+    return _Call(
+        q, k, v, shapes, groups, comm_type, fmt, seq_dims, sharding, mask, scale, backend, check, grad, heads, offset
+    )
 
 
 def _fingerprint(sharding: CPSharding) -> dict:
@@ -175,7 +190,8 @@ def _signature(c: _Call, state: dict) -> tuple[int, ...]:
         dtype=DTYPES.index(s.dtype), device=agr.device_index(s.device), hq=s.hq, hkv=s.hkv, dqk=s.dqk, dv=s.dv,
         causal=c.mask.causal, left=c.mask.left, right=c.mask.right, chunk=c.mask.chunk or 0,
         scale=agr.float_bits(c.scale), backend=("reference", "flash").index(c.backend.__name__.rsplit(".", 1)[-1]),
-        grad=c.grad, cu_crc=state["cu_crc"], total_tokens=state["total_tokens"], num_seqs=state["num_seqs"],
+        grad=c.grad, sink=c.offset is not None,
+        cu_crc=state["cu_crc"], total_tokens=state["total_tokens"], num_seqs=state["num_seqs"],
         seg_crc=state["seg_crc"], tokens=s.tokens, rank_tokens=c.sharding.num_tokens(g.rank),
     )  # fmt: skip
 
@@ -256,6 +272,7 @@ def cp_attention(
     window_size: tuple[int, int] = (-1, -1),
     chunk_size: int | None = None,
     softmax_scale: float | None = None,
+    softmax_offset: torch.Tensor | None = None,
     backend: str = "auto",
     check: bool = False,
 ) -> torch.Tensor:
@@ -277,6 +294,11 @@ def cp_attention(
             ⇒ k ≤ q + right; chunk ⇒ q // chunk == k // chunk. Queries that see no key get 0.
             ``window_size`` is a pair of ints ≥ -1; ``chunk_size`` None or an int ≥ 1.
         softmax_scale: default ``1/sqrt(d)``; else a positive finite float.
+        softmax_offset: attention sink, a tensor ``[num_heads]`` (all query heads, also under a2a)
+            on q's device, differentiable: each query's softmax denominator gains
+            ``exp(offset[h])``, a logit with no value (Megatron's ``softmax_type``
+            "off-by-one" is zeros, "learnable" a parameter). Its gradient is this rank's
+            partial; the data-parallel reduction over the CP ranks sums it.
         backend: local kernels: ``auto`` | ``reference`` | ``flash`` (fp16/bf16 on CUDA).
         check: compare every call's arguments across CP ranks (one small all-gather and a
             host sync per call), not only the first call of each micro-batch: rank-local
@@ -294,7 +316,8 @@ def cp_attention(
     """
     args = dict(
         cp_group=cp_group, comm_type=comm_type, qkv_format=qkv_format, sharding=sharding, causal=causal,
-        window_size=window_size, chunk_size=chunk_size, softmax_scale=softmax_scale, backend=backend, check=check,
+        window_size=window_size, chunk_size=chunk_size, softmax_scale=softmax_scale, softmax_offset=softmax_offset,
+        backend=backend, check=check,
     )  # fmt: skip
     known = _Known()
     try:
@@ -317,6 +340,6 @@ def cp_attention(
 def _dispatch(c: _Call, plan) -> torch.Tensor:
     run = Run(plan=plan, group=c.groups.p2p, backend=c.backend, scale=c.scale, dk=c.shapes.dqk)
     if isinstance(plan, a2a.A2APlan):
-        return a2a.attention(c.q, c.k, c.v, run, c.groups.a2a, c.groups.p2p, c.rep)
+        return a2a.attention(c.q, c.k, c.v, run, c.groups.a2a, c.groups.p2p, c.heads, c.offset)
     schedule = SCHEDULES["p2p"] if isinstance(plan, P2PPlan) else SCHEDULES["all_gather"]
-    return _CPAttention.apply(c.q, c.k, c.v, run, schedule)
+    return _CPAttention.apply(c.q, c.k, c.v, c.offset, run, schedule)

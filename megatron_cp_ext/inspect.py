@@ -33,6 +33,7 @@ from .plan import Layout, StepPlan, visible_rows
 from .schedules import build_plan
 from .schedules.a2a import A2APlan
 from .schedules.all_gather import GatherPlan
+from .schedules.heads import split_heads
 from .schedules.p2p_plan import P2PPlan
 from .sharding import CPSharding
 
@@ -164,6 +165,31 @@ def _p2p_bytes(plan: P2PPlan, kv_row: int, grad_row: int) -> tuple[dict, dict, i
     )
 
 
+def _a2a_bytes(plan: A2APlan, hq: int, hkv: int, d: int, dv: int, es: int, tokens: int):
+    """Bytes of the all-to-alls (queries and KV out, outputs back; gradients mirror them) plus the
+    p2p exchange across the a2a groups, for this member's (possibly uneven) head shard."""
+    a, me = len(plan.counts), plan.member
+    q_parts, kv_parts = split_heads(hq, hkv, a)
+    nq = [y - x for x, y in q_parts]
+    nkv = [y - x for x, y in kv_parts]
+    others = [plan.counts[j] for j in range(a) if j != me]
+    out_q = sum(tokens * nq[j] for j in range(a) if j != me)  # rows x heads sent, per head width
+    out_kv = sum(tokens * nkv[j] for j in range(a) if j != me)
+    in_q, in_kv = sum(others) * nq[me], sum(others) * nkv[me]
+    q_w, o_w, kv_w = d * es, dv * es, (d + dv) * es
+    fwd_out = out_q * q_w + out_kv * kv_w + in_q * o_w  # outputs of the others' tokens go back
+    fwd_in = in_q * q_w + in_kv * kv_w + out_q * o_w
+    bwd_out = out_q * o_w + in_q * q_w + in_kv * kv_w  # dout out; dq and dK/dV of their tokens back
+    bwd_in = in_q * o_w + out_q * q_w + out_kv * kv_w
+    ring = plan.ring
+    rs, rr, packed = _p2p_bytes(ring, nkv[me] * (d + dv) * es, nkv[me] * (d + dv) * 4)
+    sent = {"forward": fwd_out + rs["forward"], "backward": bwd_out + rs["backward"]}
+    recv = {"forward": fwd_in + rr["forward"], "backward": bwd_in + rr["backward"]}
+    packed += len(plan.perm) if a > 1 else 0
+    calls = _call_reports(0, ring.own) + [c for st in ring.steps for c in _call_reports(st.slot, st.plan)]
+    return sent, recv, packed, nq[me] / hq, calls if nq[me] else []
+
+
 def _rank_report(sharding, comm_type, rank, a2a_size, mask, shapes) -> RankReport:
     hq, hkv, d, dv, es = shapes
     cp = sharding.cp_size
@@ -187,23 +213,7 @@ def _rank_report(sharding, comm_type, rank, a2a_size, mask, shapes) -> RankRepor
         sent, recv, packed = _p2p_bytes(plan, kv_row, grad_row)
     else:
         assert isinstance(plan, A2APlan)
-        a = len(plan.counts)
-        heads_share = 1.0 / a
-        ring = plan.ring
-        calls = _call_reports(0, ring.own) + [c for st in ring.steps for c in _call_reports(st.slot, st.plan)]
-        rep = max(1, a // hkv) if hkv % a else 1
-        kv_h = hkv * rep / a  # KV heads per member after the all-to-all
-        others = sum(plan.counts) - tokens
-        # queries and KV out to the other members, outputs back (forward); grads mirror it
-        q_row, o_row, kvh_row = hq / a * d * es, hq / a * dv * es, kv_h * (d + dv) * es
-        fwd_out = (a - 1) * tokens * (q_row + kvh_row) + others * o_row
-        fwd_in = others * (q_row + kvh_row) + (a - 1) * tokens * o_row
-        bwd_out = (a - 1) * tokens * (o_row + q_row + kvh_row) + others * (q_row + kvh_row)
-        bwd_in = others * (o_row + q_row + kvh_row) + (a - 1) * tokens * (q_row + kvh_row)
-        rs, rr, packed = _p2p_bytes(ring, int(kvh_row), int(kv_h * (d + dv) * 4))
-        sent = {"forward": int(fwd_out) + rs["forward"], "backward": int(bwd_out) + rs["backward"]}
-        recv = {"forward": int(fwd_in) + rr["forward"], "backward": int(bwd_in) + rr["backward"]}
-        packed += len(plan.perm) if a > 1 else 0
+        sent, recv, packed, heads_share, calls = _a2a_bytes(plan, hq, hkv, d, dv, es, tokens)
     need = _needed_rows(sharding, rank, mask) if cp > 1 else 0
     useful = sum(c.useful for c in calls)
     return RankReport(

@@ -210,6 +210,25 @@ def check_qkv(q: object, k: object, v: object, layout: str = "[tokens, heads, he
     return QKVShapes(q.shape[0], q.shape[1], k.shape[1], q.shape[2], v.shape[2], q.dtype, q.device)
 
 
+def check_offset(offset: object, shapes: QKVShapes) -> torch.Tensor | None:
+    """``softmax_offset``: None, or a floating tensor ``[num_heads]`` (the global query heads) on
+    q's device. Its values are not inspected (that would read the device)."""
+    if offset is None:
+        return None
+    if not isinstance(offset, torch.Tensor):
+        raise CPArgumentTypeError(f"softmax_offset must be None or a torch.Tensor [num_heads], got {_got(offset)}")
+    if not offset.dtype.is_floating_point:
+        raise CPArgumentTypeError(f"softmax_offset must be a floating tensor, got {offset.dtype}")
+    if tuple(offset.shape) != (shapes.hq,):
+        raise CPArgumentError(
+            f"softmax_offset must have shape [num_heads] = [{shapes.hq}] (one per query head), "
+            f"got {tuple(offset.shape)}"
+        )
+    if offset.device != shapes.device:
+        raise CPArgumentError(f"softmax_offset must be on q's device {shapes.device}, got {offset.device}")
+    return offset
+
+
 def check_backend_dtype(backend_name: str, dtype: torch.dtype) -> None:
     """The flash kernels run fp16/bf16 only; fp32/fp64 need ``backend='reference'``."""
     if backend_name == "flash" and dtype not in (torch.float16, torch.bfloat16):

@@ -32,6 +32,7 @@ from ..groups import HierarchicalCPGroups
 from ..sharding import BALANCES
 from ..validation import CPArgumentError, as_bool, as_choice, as_chunk, as_window
 from .batch import cp_context
+from .sinks import install_softmax_offset, offset_sharded_state_dict
 
 __all__ = ["CPAttentionOptions", "CPCoreAttention", "hierarchical_groups_from_sizes", "resolve_cp_comm_type"]
 
@@ -164,6 +165,9 @@ class CPCoreAttention(MegatronModule):
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
         cp_group = getattr(pg_collection, "cp", None)
+        tp = getattr(pg_collection, "tp", None)
+        self.tp_group = tp
+        install_softmax_offset(self, config, tp.size() if tp is not None else 1)
         self.cp_size = dist.get_world_size(cp_group) if cp_group is not None else 1
         self.cp_rank = dist.get_rank(cp_group) if cp_group is not None else 0
         if config.context_parallel_size > 1 and self.cp_size != config.context_parallel_size:
@@ -194,8 +198,6 @@ class CPCoreAttention(MegatronModule):
             raise ValueError(
                 f"CPCoreAttention does not implement attention dropout (got {dropout}); set attention_dropout=0.0"
             )
-        if config.softmax_type != "vanilla":
-            raise ValueError(f"CPCoreAttention supports softmax_type='vanilla' only, got {config.softmax_type!r}")
         if attention_type != "self":
             raise ValueError(f"CPCoreAttention supports self attention only, got attention_type={attention_type!r}")
         if attn_mask_type not in _MASK_CAUSAL and attn_mask_type not in _MASK_PADDED:
@@ -210,6 +212,10 @@ class CPCoreAttention(MegatronModule):
         ``causal``/``window_size``/``chunk_size``): the layer's own, from its config."""
         causal = _MASK_CAUSAL.get(self.attn_mask_type, _MASK_PADDED.get(self.attn_mask_type, True))
         return {"causal": causal, "window_size": self.window_size, "chunk_size": self.chunk_size}
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
+        """The learnable softmax offset, sharded like Megatron's own attention's."""
+        return offset_sharded_state_dict(self, prefix, sharded_offsets, metadata, self.tp_group)
 
     def _causal(self, attn_mask_type: AttnMaskType | None, thd: bool, attention_mask) -> bool:
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
@@ -245,6 +251,7 @@ class CPCoreAttention(MegatronModule):
             window_size=self.window_size,
             chunk_size=self.chunk_size,
             softmax_scale=self.softmax_scale,
+            softmax_offset=self.softmax_offset,
             **self._engine_kwargs,
         )
         if thd:

@@ -1,18 +1,18 @@
 """``a2a`` (Ulysses) and ``a2a+p2p`` (hierarchical): all-to-all from sequence to head shards.
 
 Inside an a2a group of ``A`` consecutive CP ranks, an all-to-all turns each member's tokens
-of all heads into the group's tokens of ``hq/A`` heads. The received rows (member by member)
+of all heads into the group's tokens of its share of the heads. The received rows (member by member)
 are put in global (sequence, position) order by one gather with a plan index, so every
 sequence is contiguous and the local calls need no further gathers. Attention over those
 tokens is then the ``p2p`` ring across the ``P`` a2a groups (``P == 1`` for plain ``a2a``: a
 ring of one, no communication) — the very same ring, calls and merge as ``p2p``. The output
 goes back through the inverse permutation and all-to-all; the backward mirrors every step.
 
-K/V heads: if ``hkv % A == 0`` they split like query heads; if ``A % hkv == 0`` (MQA/GQA with
-few KV heads) each KV head is replicated ``A / hkv`` times before the all-to-all, so every
-member receives the KV head its query heads use. The replicas' gradients come back from the
-ring in fp32 (fp64 for fp64 input), travel home and are summed in that precision and rounded
-once, so bf16 dK/dV lose nothing to replication.
+Heads: any counts (:mod:`.heads`). Members hold whole GQA groups, dealt out as evenly as the
+counts allow; with fewer KV heads than members, a KV head is replicated to the members
+sharing its query heads. The replicas' gradients come back from the ring in fp32 (fp64 for
+fp64 input), travel home and are summed in that precision and rounded once, so bf16 dK/dV
+lose nothing to replication. The attention-sink offset joins each member's final merge.
 """
 
 from __future__ import annotations
@@ -21,14 +21,14 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from ..masks import MaskSpec
 from ..sharding import CPSharding
 from . import p2p
-from .common import Run
+from .common import Run, acc_dtype, apply_sink, new_accumulators, sink_grad
+from .heads import from_heads, split_heads, to_heads
 
-__all__ = ["A2APlan", "build_plan", "group_union", "attention", "kv_replication"]
+__all__ = ["A2APlan", "build_plan", "group_union", "attention", "split_heads"]
 
 
 @dataclass
@@ -43,6 +43,8 @@ class A2APlan:
     """Inverse of ``perm``."""
     ring: p2p.P2PPlan
     """The p2p plan across a2a groups over the groups' token sets (one participant for ``a2a``)."""
+    member: int = 0
+    """This rank's index in its a2a group (which head shard it computes)."""
     _device: dict = field(default_factory=dict, repr=False)
 
     def perms_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,86 +87,66 @@ def build_plan(sharding: CPSharding, a2a_size: int, cp_rank: int, mask: MaskSpec
     perm_t = torch.from_numpy(perm.astype(np.int64))
     inv = torch.empty_like(perm_t)
     inv[perm_t] = torch.arange(perm_t.numel())
-    return A2APlan(counts, perm_t, inv, p2p.build_plan([u[0] for u in unions], me, mask))
-
-
-def kv_replication(hq: int, hkv: int, a2a_size: int) -> int:
-    """How often each KV head is replicated so ``a2a_size`` ranks each get whole head groups."""
-    if hq % a2a_size:
-        raise ValueError(f"num_heads ({hq}) must be divisible by the a2a CP size ({a2a_size})")
-    if hkv % a2a_size == 0:
-        return 1
-    if a2a_size % hkv == 0:
-        return a2a_size // hkv
-    raise ValueError(
-        f"num_query_groups / k,v heads ({hkv}) must divide or be divisible by the a2a CP size ({a2a_size})"
-    )
-
-
-def _all_to_all(x: torch.Tensor, out_rows: list[int], in_rows: list[int], group) -> torch.Tensor:
-    out = x.new_empty((sum(out_rows), *x.shape[1:]))
-    dist.all_to_all_single(out, x.contiguous(), out_rows, in_rows, group=group)
-    return out
-
-
-def _seq_to_heads(x: torch.Tensor, plan: A2APlan, group) -> torch.Tensor:
-    """``[t, h, d]`` (own tokens, all heads) -> ``[T_group, h/A, d]`` (group tokens, global order)."""
-    a = len(plan.counts)
-    t, h = x.shape[:2]
-    if group is not None:
-        send = x.unflatten(1, (a, h // a)).transpose(0, 1).reshape(a * t, h // a, *x.shape[2:])
-        x = _all_to_all(send, plan.counts, [t] * a, group)
-    return x.index_select(0, plan.perms_on(x.device)[0])
-
-
-def _heads_to_seq(y: torch.Tensor, plan: A2APlan, group, t: int) -> torch.Tensor:
-    """Inverse of :func:`_seq_to_heads`."""
-    a = len(plan.counts)
-    y = y.index_select(0, plan.perms_on(y.device)[1])
-    if group is None:
-        return y
-    back = _all_to_all(y, [t] * a, plan.counts, group)
-    return back.unflatten(0, (a, t)).transpose(0, 1).flatten(1, 2)
+    return A2APlan(counts, perm_t, inv, p2p.build_plan([u[0] for u in unions], me, mask), cp_rank % a2a_size)
 
 
 class _A2AAttention(torch.autograd.Function):
-    """a2a -> ring over the a2a groups -> inverse a2a, as one autograd node.
+    """a2a -> p2p across the a2a groups -> inverse a2a, as one autograd node.
 
     One node, not one per communication step, so the dK/dV of replicated KV heads stay in the
     ring's fp32 (fp64) accumulators through the reverse all-to-all and the replica sum, and are
-    rounded to the input dtype once. Separate nodes would round every replica's partial to
-    bf16 before the sum (autograd casts a gradient to its input's dtype at every edge).
-    Saves what the ring saves (head-sharded q, kv, out and lse), nothing more.
+    rounded to the input dtype once (autograd would round at every edge). The softmax offset
+    (attention sink) of this member's heads joins at the final merge. Saves what the ring saves
+    (head-sharded q, kv, out and lse), nothing more.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, run: Run, a2a_group, rep: int):
+    def forward(ctx, q, k, v, offset, run: _A2ARun, a2a_group, heads):
         plan: A2APlan = run.plan
-        kv = torch.cat([k, v], dim=-1)
-        if rep > 1:
-            kv = kv.repeat_interleave(rep, dim=1)
-        kv_h = _seq_to_heads(kv, plan, a2a_group)
-        q_h = _seq_to_heads(q, plan, a2a_group)
-        ctx.run, ctx.group, ctx.rep, ctx.dk, ctx.t = run, a2a_group, rep, k.shape[-1], q.shape[0]
-        out_h, lse = p2p.forward(run.ring, q_h, kv_h[..., : ctx.dk], kv_h[..., ctx.dk :])
-        ctx.save_for_backward(q_h, kv_h, out_h, lse)
-        return _heads_to_seq(out_h, plan, a2a_group, q.shape[0])
+        q_parts, kv_parts = heads
+        me, perm, dk = plan.member, plan.perms_on(q.device)[0], k.shape[-1]
+        kv_h = to_heads(torch.cat([k, v], dim=-1), kv_parts, plan.counts, me, a2a_group).index_select(0, perm)
+        q_h = to_heads(q, q_parts, plan.counts, me, a2a_group).index_select(0, perm)
+        h0, h1 = q_parts[me]
+        if h1 > h0:
+            out_h, lse = p2p.forward(run.ring, q_h, kv_h[..., :dk], kv_h[..., dk:])
+            if offset is not None:
+                out_h, lse = apply_sink(out_h, lse, offset[h0:h1])
+        else:  # a member without heads computes nothing (its peers in the other groups neither)
+            out_h, lse = new_accumulators(q_h, v.shape[-1])
+        out_h = out_h.to(q.dtype)
+        ctx.save_for_backward(q_h, kv_h, out_h, lse, offset)
+        ctx.run, ctx.group, ctx.heads, ctx.dk, ctx.t = run, a2a_group, heads, dk, q.shape[0]
+        ctx.hq, ctx.hkv = q.shape[1], k.shape[1]
+        y = out_h.index_select(0, plan.perms_on(q.device)[1])
+        return from_heads(y, q_parts, plan.counts, me, a2a_group, q.shape[0], q.shape[1])
 
     @staticmethod
     def backward(ctx, dout):
-        q_h, kv_h, out_h, lse = ctx.saved_tensors
+        q_h, kv_h, out_h, lse, offset = ctx.saved_tensors
         plan, group, dk, dtype = ctx.run.plan, ctx.group, ctx.dk, q_h.dtype
-        dout_h = _seq_to_heads(dout.contiguous(), plan, group)
-        k_h, v_h = kv_h[..., :dk], kv_h[..., dk:]
-        dq_h, dk_h, dv_h = p2p.backward(ctx.run.ring, dout_h, q_h, k_h, v_h, out_h, lse)  # fp32 / fp64
-        dq = _heads_to_seq(dq_h.to(dtype), plan, group, ctx.t)
-        dkv_h = torch.cat([dk_h, dv_h], dim=-1)
-        if ctx.rep == 1:  # nothing to sum: move dK/dV in the input dtype
-            dkv = _heads_to_seq(dkv_h.to(dtype), plan, group, ctx.t)
-        else:  # replicas travel home in fp32 and are summed there, then rounded once
-            dkv = _heads_to_seq(dkv_h, plan, group, ctx.t)
-            dkv = dkv.unflatten(1, (dkv.shape[1] // ctx.rep, ctx.rep)).sum(2).to(dtype)
-        return dq, dkv[..., :dk], dkv[..., dk:], None, None, None
+        (q_parts, kv_parts), me = ctx.heads, plan.member
+        perm, inv = plan.perms_on(dout.device)
+        dout_h = to_heads(dout.contiguous(), q_parts, plan.counts, me, group).index_select(0, perm)
+        h0, h1 = q_parts[me]
+        d_off = None
+        if h1 > h0:
+            k_h, v_h = kv_h[..., :dk], kv_h[..., dk:]
+            dq_h, dk_h, dv_h = p2p.backward(ctx.run.ring, dout_h, q_h, k_h, v_h, out_h, lse)  # fp32 / fp64
+            if offset is not None and ctx.needs_input_grad[3]:
+                d_off = torch.zeros_like(offset)
+                d_off[h0:h1] = sink_grad(dout_h, out_h, lse, offset[h0:h1]).to(offset.dtype)
+        else:
+            acc = acc_dtype(q_h)
+            dq_h = q_h.new_zeros(q_h.shape, dtype=acc)
+            dk_h, dv_h = torch.zeros_like(kv_h[..., :dk], dtype=acc), torch.zeros_like(kv_h[..., dk:], dtype=acc)
+        if offset is not None and ctx.needs_input_grad[3] and d_off is None:
+            d_off = torch.zeros_like(offset)
+        dq = from_heads(dq_h.to(dtype).index_select(0, inv), q_parts, plan.counts, me, group, ctx.t, ctx.hq)
+        # replicated KV heads travel home in fp32 and are summed there, then rounded once
+        dkv_h = torch.cat([dk_h, dv_h], dim=-1).index_select(0, inv)
+        dkv = from_heads(dkv_h, kv_parts, plan.counts, me, group, ctx.t, ctx.hkv).to(dtype)
+        return dq, dkv[..., :dk], dkv[..., dk:], d_off, None, None, None
 
 
 @dataclass(frozen=True)
@@ -175,8 +157,11 @@ class _A2ARun:
     ring: Run
 
 
-def attention(q, k, v, run: Run, a2a_group, p2p_group, rep: int) -> torch.Tensor:
-    """a2a -> ring attention over the a2a groups' token sets -> inverse a2a (differentiable)."""
+def attention(q, k, v, run: Run, a2a_group, p2p_group, heads, offset=None) -> torch.Tensor:
+    """a2a -> p2p attention over the a2a groups' token sets -> inverse a2a (differentiable).
+
+    ``heads``: :func:`.heads.split_heads` for this a2a size; ``offset``: the softmax offset
+    (attention sink) per query head, or None."""
     plan: A2APlan = run.plan
     ring = replace(run, plan=plan.ring, group=p2p_group)
-    return _A2AAttention.apply(q, k, v, _A2ARun(plan, ring), a2a_group, rep)
+    return _A2AAttention.apply(q, k, v, offset, _A2ARun(plan, ring), a2a_group, heads)

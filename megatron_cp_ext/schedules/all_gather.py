@@ -52,7 +52,7 @@ def forward(run: Run, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tupl
     kv_all = _gather(run, k, v)
     out, lse = new_accumulators(q, v.shape[-1])
     step_forward(run.plan.step.on(q.device), run, q, kv_all, out, lse)
-    return out.to(q.dtype), lse
+    return out, lse  # accumulator dtype: the caller adds any sink and rounds once
 
 
 def backward(run: Run, dout, q, k, v, out, lse) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -19,6 +19,7 @@ from ..ops import gather_rows, index_add_rows, merge_partial
 from ..plan import VarlenCall
 
 __all__ = ["Run", "take", "accumulate", "step_forward", "step_backward", "pack_kv", "new_accumulators", "acc_dtype"]
+__all__ += ["apply_sink", "sink_grad"]
 
 
 @dataclass(frozen=True)
@@ -106,3 +107,19 @@ def step_backward(
         )  # fmt: skip
         accumulate(dq, *qs, g_q)
         accumulate(dkv, *ks, torch.cat([g_k.to(dkv.dtype), g_v.to(dkv.dtype)], dim=-1))
+
+
+def apply_sink(out: torch.Tensor, lse: torch.Tensor, offset: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Add the attention sink: each query's softmax denominator gains ``exp(offset[h])`` (a
+    logit with no value). Merged ``out``/``lse`` (accumulator dtype) -> final ``out``/``lse``;
+    a query that sees no key keeps output 0."""
+    lse_t = torch.logaddexp(lse, offset.to(lse.dtype)[None, :])
+    return out * torch.exp(lse - lse_t).unsqueeze(-1), lse_t
+
+
+def sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    """d loss / d offset of this rank's queries (the caller's data-parallel reduction sums the
+    ranks): the sink's probability times minus the row's ``dout . out``."""
+    p = torch.exp(offset.to(lse.dtype)[None, :] - lse)  # lse includes the sink: finite
+    delta = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1)
+    return -(p * delta).sum(0)

@@ -83,7 +83,7 @@ def forward(run: Run, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tupl
         if st is not None and buf is not None and not st.plan.empty:
             step_forward(st.plan.on(q.device), run, q, buf, out, lse)
         pending = nxt
-    return out.to(q.dtype), lse
+    return out, lse  # accumulator dtype: the caller adds any sink and rounds once
 
 
 def _land(home: tuple | None, dkv: torch.Tensor) -> None:

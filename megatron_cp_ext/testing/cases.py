@@ -64,6 +64,8 @@ class AttnCase:
     qkv_format: str = "thd"
     """``bshd``/``sbhd``: ``seqlens`` must be b equal lengths; ranks get Megatron's zigzag split."""
     extra: dict = field(default_factory=dict)
+    sink: tuple[float, ...] | None = None
+    """Softmax offset per query head (attention sink), passed as a differentiable tensor."""
     """More ``cp_attention`` keywords (``softmax_scale``, ``check``, ``backend``)."""
 
     @property
@@ -150,13 +152,20 @@ def run_case(rank: int, world: int, case: AttnCase) -> dict[str, torch.Tensor]:
     sharding = case.sharding(world) if case.qkv_format == "thd" else None
     q, k, v, dout = (local_shard(case, world, rank, x, sharding).to(dtype) for x in case.inputs())
     q, k, v = (x.requires_grad_() for x in (q, k, v))
+    extra = dict(case.extra)
+    if case.sink is not None:
+        sink_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+        extra["softmax_offset"] = torch.tensor(case.sink, dtype=sink_dtype).requires_grad_()
     out = mcx.cp_attention(
         q, k, v, cp_group=cp_group_for(case, world), comm_type=case.comm_type, qkv_format=case.qkv_format,
         sharding=sharding,
-        causal=case.causal, window_size=case.window_size, chunk_size=case.chunk_size, **case.extra,
+        causal=case.causal, window_size=case.window_size, chunk_size=case.chunk_size, **extra,
     )  # fmt: skip
     out.backward(dout)
-    return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+    res = {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+    if case.sink is not None:
+        res["doffset"] = extra["softmax_offset"].grad
+    return res
 
 
 def check_case(results: list[dict[str, torch.Tensor]], case: AttnCase) -> dict[str, float]:
@@ -165,13 +174,17 @@ def check_case(results: list[dict[str, torch.Tensor]], case: AttnCase) -> dict[s
     dtype = getattr(torch, case.dtype)
     # the reference sees the same rounded inputs as the ranks did
     q, k, v = (x.to(dtype).double().requires_grad_() for x in (q, k, v))
+    offset = None if case.sink is None else torch.tensor(case.sink, dtype=torch.float64, requires_grad=True)
     ref = dense_attention(
         q, k, v, case.cu_seqlens, causal=case.causal, window_size=case.window_size, chunk_size=case.chunk_size,
-        softmax_scale=case.extra.get("softmax_scale"),
+        softmax_scale=case.extra.get("softmax_scale"), softmax_offset=offset,
     )  # fmt: skip
     ref.backward(dout.to(dtype).double())
     want = {"out": ref, "dq": q.grad, "dk": k.grad, "dv": v.grad}
     errors = {}
+    if offset is not None:  # each rank's partial; the sum over ranks is the gradient
+        got = torch.stack([r["doffset"] for r in results]).double().sum(0)
+        errors["doffset"] = (got - offset.grad).abs().max().item() / max(1.0, offset.grad.abs().max().item())
     for name, w in want.items():
         got = global_thd(case, [r[name] for r in results]).double()
         assert got.shape == w.shape, (name, got.shape, w.shape)

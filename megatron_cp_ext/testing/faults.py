@@ -141,6 +141,9 @@ def _call(rank: int, world: int, ch: dict, sharding_cache: dict):
         q, k, v = _tensors(ch, fmt, world, cp_rank, sharding if fmt == "thd" else None)
     group = _groups(world, ch.get("cp_group", "pair" if comm == "a2a+p2p" else "world"), rank)
     kw = {n: ch[n] for n in _KWARGS if n in ch}
+    if "sink" in ch:  # a softmax offset: a shape, or anything else passed as is
+        sink = ch["sink"]
+        kw["softmax_offset"] = torch.zeros(sink, requires_grad=True) if isinstance(sink, tuple) else sink
     out = mcx.cp_attention(q, k, v, cp_group=group, sharding=sharding, **kw)
     if out.requires_grad:
         out.float().sum().backward()

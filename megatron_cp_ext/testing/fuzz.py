@@ -5,7 +5,7 @@ lengths (0 and 1 included, and lengths not divisible by anything), a random mask
 none, windows incl. 0, chunks incl. 1), MHA / GQA / MQA / MLA head layouts, every comm type
 (hierarchical group sizes included), the three formats, fp32 / bf16 / fp64, the built-in
 balances or a random custom assignment of token ranges to ranks (segments in any order),
-an explicit softmax scale and check mode. Only valid configurations are drawn: the point is
+an explicit softmax scale, an attention sink and check mode. Only valid configurations are drawn: the point is
 that every one matches the dense fp64 reference.
 """
 
@@ -19,10 +19,6 @@ __all__ = ["random_case"]
 
 # (hq, hkv): MHA, GQA, MQA, and head counts that a2a must replicate or split
 _HEADS = [(4, 4), (4, 2), (4, 1), (8, 2), (6, 3), (2, 1), (6, 6), (3, 1)]
-
-
-def _a2a_ok(hq: int, hkv: int, a: int) -> bool:
-    return hq % a == 0 and (hkv % a == 0 or a % hkv == 0)
 
 
 def _lengths(rng: random.Random, n: int) -> tuple[int, ...]:
@@ -57,12 +53,8 @@ def _mask(rng: random.Random) -> dict:
 
 
 def _comm(rng: random.Random, world: int, hq: int, hkv: int) -> tuple[str, int]:
-    options = [("p2p", 0), ("all_gather", 0)]
-    if _a2a_ok(hq, hkv, world):
-        options.append(("a2a", 0))
-    for a in range(1, world + 1):
-        if world % a == 0 and _a2a_ok(hq, hkv, a):
-            options.append(("a2a+p2p", a))
+    options = [("p2p", 0), ("all_gather", 0), ("a2a", 0)]  # a2a takes any head counts (uneven shards)
+    options += [("a2a+p2p", a) for a in range(1, world + 1) if world % a == 0]
     return rng.choice(options)
 
 
@@ -88,8 +80,9 @@ def random_case(seed: int) -> tuple[int, AttnCase]:
         extra["softmax_scale"] = rng.choice([0.05, 0.3, 1.0, 2.5])
     if rng.random() < 0.3:
         extra["check"] = True
+    sink = tuple(round(rng.uniform(-2, 2), 3) for _ in range(hq)) if rng.random() < 0.3 else None
     case = AttnCase(
         seqlens=seqlens, comm_type=comm, hq=hq, hkv=hkv, d=d, dv=dv, dtype=dtype, balance=balance,
-        segments=segments, seed=seed, a2a_size=a2a_size, qkv_format=fmt, extra=extra, **_mask(rng),
+        segments=segments, seed=seed, a2a_size=a2a_size, qkv_format=fmt, extra=extra, sink=sink, **_mask(rng),
     )  # fmt: skip
     return world, case

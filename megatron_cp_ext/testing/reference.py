@@ -53,10 +53,13 @@ def dense_attention(
     window_size: tuple[int, int] = (-1, -1),
     chunk_size: int | None = None,
     softmax_scale: float | None = None,
+    softmax_offset: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """THD attention ``[t, hq, d] x [t, hkv, d] x [t, hkv, dv] -> [t, hq, dv]`` in float64.
 
     Differentiable (autograd through plain ops). Queries with no visible key output zeros.
+    ``softmax_offset`` ``[hq]``: an attention sink, one extra logit per head with no value (the
+    softmax runs over the keys and the sink; the sink's column is then dropped).
     """
     t, hq, d = q.shape
     hkv = k.shape[1]
@@ -67,6 +70,10 @@ def dense_attention(
     vis = visibility_matrix(cu_seqlens, causal=causal, window_size=window_size, chunk_size=chunk_size)
     s = torch.einsum("qhd,khd->hqk", q64, k64) * scale
     s = s.masked_fill(~vis[None], float("-inf"))
+    if softmax_offset is not None:
+        sink = softmax_offset.double()[:, None, None].expand(hq, t, 1)
+        p = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :t]
+        return torch.einsum("hqk,khd->qhd", p, v64)
     any_vis = vis.any(dim=1)[None, :, None]
     p = torch.softmax(torch.where(any_vis, s, torch.zeros_like(s)), dim=-1)
     p = torch.where(any_vis & vis[None], p, torch.zeros_like(p))

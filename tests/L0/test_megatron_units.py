@@ -103,7 +103,6 @@ def test_core_attention_sbhd_softmax_scale_and_no_mask() -> None:
     [
         ({"cfg": config(attention_dropout=0.1)}, "dropout"),
         ({"attention_dropout": 0.2}, "dropout"),
-        ({"cfg": config(softmax_type="off-by-one")}, "vanilla"),
         ({"attention_type": "cross"}, "self attention"),
         ({"mask": AttnMaskType.arbitrary}, "attn_mask_type"),
         ({"cp_comm_type": "ring"}, "p2p"),
@@ -112,6 +111,24 @@ def test_core_attention_sbhd_softmax_scale_and_no_mask() -> None:
 def test_unsupported_options_fail_at_construction(kwargs, match) -> None:
     with pytest.raises(ValueError, match=match):
         core(**kwargs)
+
+
+@pytest.mark.parametrize("softmax_type", ["off-by-one", "learnable"])
+def test_softmax_types_match_the_dense_reference_with_a_sink(softmax_type) -> None:
+    torch.manual_seed(0)
+    attn = core(config(softmax_type=softmax_type, use_cpu_initialization=True))
+    offset = attn.softmax_offset
+    assert offset.shape == (4,) and isinstance(offset, torch.nn.Parameter) == (softmax_type == "learnable")
+    if softmax_type == "off-by-one":
+        assert torch.equal(offset, torch.zeros(4))
+    q, k, v = torch.randn(7, 1, 4, 8), torch.randn(7, 1, 2, 8), torch.randn(7, 1, 2, 8)
+    out = attn(q, k, v, None)
+    ref = dense_attention(q[:, 0], k[:, 0], v[:, 0], [0, 7], causal=True, softmax_offset=offset.detach())
+    torch.testing.assert_close(out[:, 0].double(), ref.reshape(7, 32), atol=1e-5, rtol=1e-5)
+    if softmax_type == "learnable":
+        out.sum().backward()
+        assert offset.grad is not None and offset.grad.shape == (4,)
+    assert core().softmax_offset is None
 
 
 def test_attention_bias_is_rejected() -> None:

@@ -70,7 +70,8 @@ UNIFORM = [
     Fault("bshd_q_not_tensor", dict(qkv_format="bshd", q="list"), TE, "q must be a torch.Tensor"),
     Fault("bshd_given_3d", dict(qkv_format="bshd", thd_tensors=True), VE, "4-D"),
     Fault("bshd_seq_not_divisible", dict(qkv_format="bshd", bshd_local=5), VE, "divisible by 2*cp"),
-    Fault("a2a_heads_indivisible", dict(comm_type="a2a", hq=3, hkv=1), VE, "num_heads"),
+    Fault("sink_shape", dict(sink=(3,)), VE, "softmax_offset"),
+    Fault("sink_list", dict(sink=[0.0, 0.0, 0.0, 0.0]), TE, "softmax_offset"),
 ]
 
 # One rank differs from the others: every rank must still raise the same error.
@@ -82,6 +83,7 @@ DIVERGENT = [
           base=dict(comm_type="a2a+p2p", cp_group="plain_pair")),
     Fault("a2a_vs_p2p", dict(comm_type="a2a"), ME, "comm_type differs", (0,)),
     Fault("softmax_scale", dict(softmax_scale=0.5), ME, "softmax_scale differs", (-1,)),
+    Fault("sink_one_rank", dict(sink=(4,)), ME, "softmax_offset differs", (-1,)),
     Fault("causal", dict(causal=False), ME, "causal differs", (0,)),
     Fault("window", dict(window_size=(3, -1)), ME, "window_size differs", (-1,)),
     Fault("chunk", dict(chunk_size=4), ME, "chunk_size differs", (-1,)),
@@ -130,6 +132,8 @@ ACCEPTED = [
     Fault("backend_auto_vs_reference", dict(backend="reference"), None, ranks=(0,)),
     Fault("check_mode_steady", dict(), None, base=dict(check=True), on_call=1),
     Fault("eval_then_train", dict(requires_grad=True), None, base=dict(requires_grad=False), on_call=1),
+    Fault("a2a_heads_uneven", dict(comm_type="a2a", hq=3, hkv=1), None),
+    Fault("a2a_sink_uneven_heads", dict(comm_type="a2a", hq=6, hkv=3, sink=(6,)), None),
 ]
 
 

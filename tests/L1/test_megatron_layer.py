@@ -62,7 +62,7 @@ def make_config(cp: int, comm_type, window, num_layers: int = 1, **extra):
     )
 
 
-def build_pair(cp: int, comm_type, window, layer_number: int = 1, num_layers: int = 1):
+def build_pair(cp: int, comm_type, window, layer_number: int = 1, num_layers: int = 1, **extra):
     """(layer at CP ``cp``, its CP-1 twin with identical weights)."""
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.spec_utils import build_module
@@ -71,12 +71,11 @@ def build_pair(cp: int, comm_type, window, layer_number: int = 1, num_layers: in
 
     spec = get_gpt_layer_cp_spec()
     torch.manual_seed(0)
-    layer = build_module(spec, config=make_config(cp, comm_type, window, num_layers), layer_number=layer_number)
+    cfg_cp, cfg_1 = (make_config(n, comm_type, window, num_layers, **extra) for n in (cp, 1))
+    layer = build_module(spec, config=cfg_cp, layer_number=layer_number)
     pgs = ProcessGroupCollection.use_mpu_process_groups()
     pgs.cp = None  # the twin runs alone: CP size 1 through the same code path
-    ref = build_module(
-        spec, config=make_config(1, comm_type, window, num_layers), layer_number=layer_number, pg_collection=pgs
-    )
+    ref = build_module(spec, config=cfg_1, layer_number=layer_number, pg_collection=pgs)
     ref.load_state_dict(layer.state_dict())
     return layer, ref
 
@@ -107,13 +106,13 @@ def _inputs(fmt: str, cp: int, rank: int):
     return x, x[idx], rope(s), None, None, idx
 
 
-def layer_case(rank: int, world: int, fmt: str, comm_type, window, hcp) -> dict:
+def layer_case(rank: int, world: int, fmt: str, comm_type, window, hcp, extra: dict | None = None) -> dict:
     """Worker: max |CP - CP1| over output, input grad and every parameter grad."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
     setup_megatron(world, hcp)
-    layer, ref = build_pair(world, comm_type, window)
+    layer, ref = build_pair(world, comm_type, window, **(extra or {}))
     x, x_loc, table, psp_glob, psp_loc, idx = _inputs(fmt, world, rank)
     w = torch.randn(x.shape, generator=torch.Generator().manual_seed(2))
     x_ref, x_cp = x.clone().requires_grad_(), x_loc.clone().requires_grad_()
@@ -164,6 +163,19 @@ def test_layer_matches_cp1(world: int, fmt: str, comm: str, window) -> None:
     hcp = (2, world // 2)
     errs = run_cases(world, layer_case, fmt, comm, window, hcp)
     for rank, per_rank in enumerate(errs):
+        bad = {k: v for k, v in per_rank.items() if v > 2e-5}
+        assert not bad, f"rank {rank}: CP{world} {comm} {fmt} differs from CP1: {bad}"
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("comm", ["p2p", "all_gather", "a2a", "a2a+p2p"])
+@pytest.mark.parametrize("fmt", ["thd-long", "sbhd"])
+def test_learnable_softmax_layer_matches_cp1(world: int, comm: str, fmt: str) -> None:
+    """softmax_type='learnable': output, input and every parameter gradient (the offset's, summed
+    over the CP group as Megatron's data-parallel reduction does) match CP 1."""
+    errs = run_cases(world, layer_case, fmt, comm, None, (2, world // 2), {"softmax_type": "learnable"})
+    for rank, per_rank in enumerate(errs):
+        assert any("softmax_offset" in k for k in per_rank), per_rank.keys()
         bad = {k: v for k, v in per_rank.items() if v > 2e-5}
         assert not bad, f"rank {rank}: CP{world} {comm} {fmt} differs from CP1: {bad}"
 

@@ -1,0 +1,84 @@
+"""Head shards for ``a2a``: which query and KV heads each member of an a2a group computes, for
+any head counts, and the all-to-alls that move tokens-of-all-heads to heads-of-all-tokens.
+
+Ulysses needs every member to hold whole GQA groups: each of its query heads must use one of
+the KV heads it holds, at one fixed ratio (the local kernel's contract). With ``A`` members:
+
+* ``hkv >= A``: the KV heads (each with its ``g = hq / hkv`` query heads) are dealt out as
+  evenly as possible — ``hkv // A`` or one more per member, no replication;
+* ``hkv < A`` (MQA, few KV groups): the members are dealt out over the KV heads as evenly as
+  possible, and each KV head's ``g`` query heads are split among its members; every member
+  receives the one KV head its query heads use (replicated to those members).
+
+When ``A`` divides the counts this is the classic split. Otherwise shards are uneven (a member
+may even hold no head, and then computes nothing): the largest shard sets the time, and
+``inspect_plan`` reports it as work imbalance. Members' shards differ in size, so the
+all-to-alls move flat buffers with element split sizes rather than equal rows.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["split_heads", "to_heads", "from_heads"]
+
+Range = tuple[int, int]
+
+
+def split_heads(hq: int, hkv: int, a: int) -> tuple[tuple[Range, ...], tuple[Range, ...]]:
+    """``(q, kv)``: member m computes query heads ``q[m]`` with KV heads ``kv[m]``."""
+    g = hq // hkv
+    if hkv >= a:
+        cuts = [(m * hkv) // a for m in range(a + 1)]
+        kv = tuple((cuts[m], cuts[m + 1]) for m in range(a))
+        return tuple((x * g, y * g) for x, y in kv), kv
+    group = [(m * hkv) // a for m in range(a)]  # the KV head each member serves
+    q, kv = [], []
+    for m, j in enumerate(group):
+        members = [i for i, x in enumerate(group) if x == j]
+        i, n = members.index(m), len(members)
+        q.append((j * g + (i * g) // n, j * g + ((i + 1) * g) // n))
+        kv.append((j, j + 1))
+    return tuple(q), tuple(kv)
+
+
+def _a2a_flat(send: list[torch.Tensor], recv_sizes: list[int], group, like: torch.Tensor) -> list[torch.Tensor]:
+    """All-to-all of per-member flat buffers of any sizes; returns the received buffers."""
+    flat = torch.cat([x.reshape(-1) for x in send]) if send else like.new_empty(0)
+    out = like.new_empty(sum(recv_sizes))
+    dist.all_to_all_single(out, flat, recv_sizes, [x.numel() for x in send], group=group)
+    return list(out.split(recv_sizes))
+
+
+def to_heads(x: torch.Tensor, parts: tuple[Range, ...], counts: list[int], me: int, group) -> torch.Tensor:
+    """``[t, H, D]`` (own tokens, all heads) -> ``[T_group, h_me, D]`` (every member's tokens of
+    this member's heads ``parts[me]``, member after member)."""
+    a0, a1 = parts[me]
+    if group is None:
+        return x[:, a0:a1]
+    d = x.shape[2:]
+    h_me = a1 - a0
+    width = h_me * int(torch.Size(d).numel())
+    got = _a2a_flat([x[:, a:b] for a, b in parts], [n * width for n in counts], group, x)
+    return torch.cat([g.view(n, h_me, *d) for g, n in zip(got, counts)])
+
+
+def from_heads(
+    y: torch.Tensor, parts: tuple[Range, ...], counts: list[int], me: int, group, t: int, heads: int
+) -> torch.Tensor:
+    """Inverse of :func:`to_heads`: ``[T_group, h_me, D]`` -> ``[t, heads, D]``. Where members'
+    ranges overlap (replicated KV heads), their contributions are summed in ``y``'s dtype."""
+    d = y.shape[2:]
+    if group is None:
+        out = y.new_zeros((t, heads, *d))
+        out[:, parts[me][0] : parts[me][1]] = y
+        return out
+    got = _a2a_flat(list(y.split(counts)), [t * (b - a) * int(torch.Size(d).numel()) for a, b in parts], group, y)
+    overlap = len({r for a, b in parts for r in range(a, b)}) < sum(b - a for a, b in parts)
+    if not overlap:
+        return torch.cat([g.view(t, b - a, *d) for g, (a, b) in zip(got, parts)], dim=1)
+    out = y.new_zeros((t, heads, *d))
+    for g, (a, b) in zip(got, parts):
+        out[:, a:b] += g.view(t, b - a, *d)
+    return out
