@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import megatron_cp_ext as mcx
-from megatron_cp_ext.testing.spawn import spawn_ranks
+from megatron_cp_ext.testing.spawn import bench_main
 
 COMMS = [("p2p", 0), ("all_gather", 0), ("a2a", 0), ("a2a+p2p", 2)]
 MASKS = {
@@ -82,16 +82,7 @@ def _bench(rank: int, world: int, args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--world-size", type=int, default=4)
-    p.add_argument("--seqlens", default="1024,255,1,600,0,97")
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--head-dim", type=int, default=32)
-    p.add_argument("--iters", type=int, default=5)
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    args = p.parse_args()
-    spawn_ranks(_bench, args.world_size, args, backend="gloo" if args.device == "cpu" else "nccl")
+    bench_main(_bench, __doc__, iters=5)
 
 
 if __name__ == "__main__":

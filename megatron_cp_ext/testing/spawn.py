@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["spawn_ranks"]
+__all__ = ["spawn_ranks", "bench_main"]
 
 
 def _entry(rank: int, world: int, port: int, backend: str, fn: Callable, args: tuple) -> None:
@@ -32,3 +32,20 @@ def spawn_ranks(fn: Callable, world: int, *args: Any, backend: str = "gloo") -> 
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     mp.spawn(_entry, args=(world, port, backend, fn, args), nprocs=world)
+
+
+def bench_main(fn: Callable, description: str, iters: int) -> None:
+    """The shared command line of the multi-rank CPU/GPU benchmarks: parse it, then run
+    ``fn(rank, world, args)`` on ``--world-size`` spawned ranks (gloo, or NCCL for cuda)."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--world-size", type=int, default=4)
+    p.add_argument("--seqlens", default="1024,255,1,600,0,97")
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--head-dim", type=int, default=32)
+    p.add_argument("--iters", type=int, default=iters)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    args = p.parse_args()
+    spawn_ranks(fn, args.world_size, args, backend="gloo" if args.device == "cpu" else "nccl")
