@@ -238,9 +238,10 @@ def workload_segments(lens: np.ndarray, cp: int, mask: MaskSpec) -> list[np.ndar
 
 def _local_order(pieces: list[list[tuple[int, int, int, int, int]]], window: int) -> list[list[tuple[int, int, int]]]:
     """Each rank's ranges in local order: whole units first (by sequence), then the pieces of cut
-    units, each unit's pieces adjacent in position order, units ordered by the first rank of
-    their run (latest first) and then the last: the units a rank shares with a lower rank then
-    sit together, and so do those shared with a higher one, so each step's rows are one slice."""
+    units, each unit's pieces adjacent in position order, units ordered by their run's first
+    rank, then its last: the units a rank shares with any one peer are then adjacent, so each
+    step's rows are one slice. Under a sliding window ``window``, ranges longer than it come
+    last."""
     first: dict[int, int] = {}
     last: dict[int, int] = {}
     for r, ps in enumerate(pieces):
@@ -250,9 +251,15 @@ def _local_order(pieces: list[list[tuple[int, int, int, int, int]]], window: int
                 last[k] = r
     out = []
     for r, ps in enumerate(pieces):
-        out.append(
-            [p[2:] for p in sorted(ps, key=lambda p, r=r: (p[1], -first.get(p[0], r), last.get(p[0], r), p[2:]))]
-        )
+        # ranges longer than a sliding window (their own calls carry the window) go after the
+        # others, so each of the own block's two alignments covers consecutive rows
+        def key(p, r=r):
+            # one order on every rank (so a sender's buffer and its receiver's queries agree):
+            # by the run's first rank, then its last. Units shared with a lower peer o (first
+            # <= o) are then a prefix, and those shared with a higher one (last >= o) a suffix.
+            return (p[4] - p[3] > window + 1, p[1], first.get(p[0], r), last.get(p[0], r), p[2:])
+
+        out.append([p[2:] for p in sorted(ps, key=key)])
     return out
 
 
