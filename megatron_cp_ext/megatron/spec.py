@@ -243,6 +243,12 @@ def cp_layer_spec(
     and refuses Kitchen; bind ``options`` with a partial (what
     :func:`megatron_cp_ext.nemo.apply_cp` does).
     """
+    freq = getattr(config, "moe_layer_freq", 1)
+    if getattr(config, "num_moe_experts", None) and freq != 1 and (not isinstance(freq, list) or 0 in freq):
+        raise ValueError(
+            f"cp_layer_spec builds one layer spec for every layer; moe_layer_freq={freq!r} mixes dense and MoE "
+            "layers. Use moe_layer_freq=1, or build per-layer specs with get_gpt_layer_cp_spec(num_experts=...)"
+        )
     accepted = inspect.signature(get_gpt_layer_local_spec).parameters
     kwargs = {
         arg: getattr(config, field, accepted[arg].default) for arg, field in _CONFIG_FIELD.items() if arg in accepted
