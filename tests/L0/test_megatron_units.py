@@ -26,8 +26,8 @@ from megatron_cp_ext.megatron import (  # noqa: E402
     add_arguments,
     add_megatron_cp_arguments,
     cp_attention_options_from_args,
-    get_batch_on_this_cp_rank,
     get_gpt_layer_cp_spec,
+    shard_batch_for_cp,
 )
 from megatron_cp_ext.megatron.batch import zigzag_positions  # noqa: E402
 from megatron_cp_ext.megatron.core_attention import resolve_cp_comm_type  # noqa: E402
@@ -58,6 +58,13 @@ def test_rope_table_is_the_standard_formula_on_cpu() -> None:
     assert "inv_freq" not in rope.state_dict()  # recomputed, never checkpointed
 
 
+def test_old_batch_name_points_to_the_new_one() -> None:
+    with pytest.raises(ImportError, match="shard_batch_for_cp"):
+        from megatron_cp_ext.megatron import get_batch_on_this_cp_rank  # noqa: F401
+    with pytest.raises(TypeError):
+        shard_batch_for_cp({}, torch.tensor([0, 3]))  # keyword-only: no positional cu_seqlens
+
+
 def test_zigzag_positions_match_megatron_split() -> None:
     assert zigzag_positions(8, 2, 0).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
     assert zigzag_positions(8, 2, 1).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
@@ -69,7 +76,7 @@ def test_zigzag_positions_match_megatron_split() -> None:
 def test_thd_batch_at_cp1_gets_true_positions_and_params() -> None:
     cu = torch.tensor([0, 3, 8])
     batch = {"tokens": torch.arange(8)[None], "labels": torch.arange(8)[None], "attention_mask": torch.ones(1)}
-    out = get_batch_on_this_cp_rank(batch, cu, cp_group=None)
+    out = shard_batch_for_cp(batch, cu_seqlens=cu, cp_group=None)
     assert out["position_ids"].tolist() == [[0, 1, 2, 0, 1, 2, 3, 4]]
     assert out["tokens"].tolist() == batch["tokens"].tolist() and out["attention_mask"] is None
     params = out["packed_seq_params"]
