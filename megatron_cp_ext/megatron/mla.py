@@ -154,6 +154,16 @@ def local_token_positions(attention: torch.nn.Module, s_local: int, packed_seq_p
     return _zigzag_positions_on(s_local, cp_size, cp_rank, torch.device(device))
 
 
+def _local_seq_len(attention: torch.nn.Module, hidden_states: torch.Tensor) -> int:
+    """This CP rank's sequence length as q and k see it: with sequence parallelism the
+    projections gather the TP ranks' ``s / tp`` rows before RoPE is applied."""
+    s_local = hidden_states.shape[0]
+    tp = getattr(attention.pg_collection, "tp", None)
+    if attention.config.sequence_parallel and tp is not None:
+        s_local *= tp.size()
+    return s_local
+
+
 class CPMLASelfAttention(MLASelfAttention):
     """Megatron ``MLASelfAttention`` whose RoPE/YaRN rotates each token at its true position.
 
@@ -189,7 +199,8 @@ class CPMLASelfAttention(MLASelfAttention):
         """
         thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
         rope = self.rotary_pos_emb
-        rope.positions = local_token_positions(self, hidden_states.shape[0], packed_seq_params, hidden_states.device)
+        s_local = _local_seq_len(self, hidden_states)
+        rope.positions = local_token_positions(self, s_local, packed_seq_params, hidden_states.device)
         try:
             out = super().get_query_key_value_tensors(
                 hidden_states, key_value_states, position_ids, None if thd else packed_seq_params, *args, **kwargs

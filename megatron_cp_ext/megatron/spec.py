@@ -37,7 +37,7 @@ from megatron.core.utils import get_pg_rank
 
 from .batch import cp_context
 from .core_attention import CPAttentionOptions, CPCoreAttention
-from .mla import CPMLASelfAttention
+from .mla import CPMLASelfAttention, _local_seq_len
 from .rope import apply_rope_at_positions, local_rope_freqs
 
 try:  # yarn's attention scaling, as Megatron's Attention.forward applies it
@@ -89,7 +89,7 @@ class CPSelfAttention(SelfAttention):
             mask = getattr(self.core_attention, "balance_mask", {})
             ctx = cp_context(packed_seq_params, cp_size, cp_rank, balance, **mask)
             positions = ctx.positions(rotary_pos_emb.device)
-        s_local = hidden_states.shape[0]
+        s_local = _local_seq_len(self, hidden_states)
         return local_rope_freqs(rotary_pos_emb, positions=positions, s_local=s_local, cp_size=cp_size, cp_rank=cp_rank)
 
     def forward(self, hidden_states, attention_mask, *args: Any, **kwargs: Any):

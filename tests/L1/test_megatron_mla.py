@@ -1,6 +1,6 @@
 """Multi-latent attention (MLA) from our spec at CP 2 and 4 == the same model at CP 1.
 
-A two-layer Megatron ``TransformerBlock`` of MLA layers (``q_lora_rank``, ``kv_lora_rank``,
+A two-layer Megatron ``TransformerBlock`` (and a ``GPTModel``) of MLA layers (``q_lora_rank``, ``kv_lora_rank``,
 q/k head dim 8 + 8 RoPE dims, v head dim 6) runs at CP > 1 on its shard and as a CP-1 twin
 with identical weights on the whole batch; output, input gradient and every parameter gradient
 must agree, for THD with documents cut across ranks (workload balance) and sbhd, every comm
@@ -129,6 +129,83 @@ def test_mla_block_matches_cp1(world: int, fmt: str, comm: str, rope_type: str) 
         assert len(per_rank) > 20, per_rank.keys()  # output, dx and every parameter of 2 layers
         bad = {k: v for k, v in per_rank.items() if not v <= 2e-5}
         assert not bad, f"rank {rank}: CP{world} {comm} {fmt} {rope_type} differs from CP1: {bad}"
+
+
+def gpt_case(rank: int, world: int, fmt: str, comm: str, rope_type: str, hcp) -> dict:
+    """Worker: a GPTModel of MLA layers, tokens split by shard_batch_for_cp: max |CP - CP1|
+    over logits and every parameter gradient."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    from megatron_cp_ext.megatron import cp_layer_spec, make_packed_seq_params, shard_batch_for_cp
+    from megatron_cp_ext.megatron.batch import zigzag_positions
+    from megatron_cp_ext.testing.megatron import setup_parallel_state
+
+    setup_parallel_state(world, hcp)
+    group = parallel_state.get_context_parallel_group()
+    extra = {"hierarchical_context_parallel_sizes": list(hcp)} if comm == "a2a+p2p" else {}
+
+    def gpt(config, pg_collection=None):
+        torch.manual_seed(0)
+        kw = {"pg_collection": pg_collection} if pg_collection is not None else {}
+        spec = cp_layer_spec(config)
+        return GPTModel(config, spec, vocab_size=64, max_sequence_length=1024, position_embedding_type="rope", **kw)
+
+    model, ref = gpt(mla_config(world, comm, rope_type, **extra)), gpt(mla_config(1, comm, rope_type), _twin_pgs())
+    ref.load_state_dict(model.state_dict())
+    gen = torch.Generator().manual_seed(3)
+    if fmt == "thd":
+        cu = torch.tensor([0] + THD_LENGTHS).cumsum(0)
+        tokens = torch.randint(0, 64, (1, int(cu[-1])), generator=gen)
+        psp = make_packed_seq_params(cu)  # CP size 1 for the twin
+        full = {"tokens": tokens, "position_ids": psp._mcx_cp_context.positions("cpu")[None], "packed_seq_params": psp}
+        local = shard_batch_for_cp({"tokens": tokens}, cu_seqlens=cu, cp_group=group)
+        idx = local["packed_seq_params"]._mcx_cp_context.sharding.global_index(rank)
+    else:
+        s, b = SBHD_SHAPE
+        tokens = torch.randint(0, 64, (b, s), generator=gen)
+        full = {"tokens": tokens, "position_ids": torch.arange(s).expand(b, s), "packed_seq_params": None}
+        local = {**shard_batch_for_cp({k: full[k] for k in ("tokens", "position_ids")}, cp_group=group)}
+        local["packed_seq_params"] = None
+        idx = zigzag_positions(s // world, world, rank)
+
+    def run(module, batch):
+        return module(batch["tokens"], batch["position_ids"], None, packed_seq_params=batch["packed_seq_params"])
+
+    y_ref = run(ref, full)
+    w = torch.randn(y_ref.shape, generator=torch.Generator().manual_seed(4))
+    (y_ref * w).sum().backward()
+    y = run(model, local)
+    (y * w[:, idx]).sum().backward()
+
+    # Relative to each tensor's scale (at least 1): bias and output-layer gradients sum over
+    # hundreds of tokens, where fp32 summation order alone moves them by ~1e-4 absolute.
+    def rel(a, b):
+        return ((a - b).abs().max() / b.abs().max().clamp(min=1.0)).item()
+
+    errs = {"logits": rel(y, y_ref[:, idx])}
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        g = p.grad.clone()
+        dist.all_reduce(g, group=group)
+        errs[name] = rel(g, ref_params[name].grad)
+    return errs
+
+
+@pytest.mark.parametrize(
+    "world,fmt,comm,rope_type",
+    [
+        (2, "thd", "p2p", "yarn"),
+        (4, "sbhd", "a2a+p2p", "rope"),
+    ],
+)
+def test_mla_gpt_matches_cp1(world: int, fmt: str, comm: str, rope_type: str) -> None:
+    errs = run_on_ranks(world, gpt_case, fmt, comm, rope_type, (2, world // 2))
+    for rank, per_rank in enumerate(errs):
+        assert len(per_rank) > 20, per_rank.keys()
+        bad = {k: v for k, v in per_rank.items() if not v <= 2e-5}
+        assert not bad, f"rank {rank}: MLA GPT CP{world} {comm} {fmt} {rope_type} differs from CP1: {bad}"
 
 
 def megatron_anchor_case(rank: int, world: int, fmt: str, rope_type: str, q_lora_rank) -> float:
