@@ -1,4 +1,4 @@
-"""Megatron-core integration: core attention, layer spec, THD batch split, RoPE, arguments.
+"""Megatron-core integration: core attention, layer specs (GPT, MLA, HybridModel), batch split, RoPE, arguments.
 
 Everything here needs ``megatron-core`` (0.16 to 0.19); the core package does not. Names are
 resolved lazily so that ``import megatron_cp_ext.megatron`` is cheap and a missing
