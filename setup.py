@@ -1,4 +1,9 @@
-"""Install megatron_cp_ext. The CUDA extension (csrc/) is optional: MCX_BUILD_CUDA=1 builds it."""
+"""Install megatron_cp_ext.
+
+The CUDA extension (csrc/) builds by default when torch has CUDA and nvcc is found, and is
+skipped otherwise; MCX_BUILD_CUDA=0 opts out, MCX_BUILD_CUDA=1 fails unless it builds.
+See build_ext_support.py and docs/kernels.md.
+"""
 
 import os
 import sys
@@ -7,15 +12,9 @@ from setuptools import find_packages, setup
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-ext_modules, cmdclass = [], {}
-if os.environ.get("MCX_BUILD_CUDA") == "1":
-    from torch.utils.cpp_extension import BuildExtension
+from build_ext_support import cuda_build  # noqa: E402
 
-    from build_ext_support import cuda_extension
-
-    ext = cuda_extension()
-    if ext is not None:
-        ext_modules, cmdclass = [ext], {"build_ext": BuildExtension}
+ext_modules, cmdclass = cuda_build()
 
 setup(
     name="megatron_cp_ext",
@@ -26,7 +25,8 @@ setup(
     install_requires=["torch>=2.6", "einops", "numpy"],
     extras_require={
         "test": ["pytest>=7", "ruff"],
-        "megatron": ["megatron-core==0.16.1"],
+        # tested: 0.16.1 (Python 3.10+), 0.17.1, 0.18.2, 0.19.2 (these declare Python >= 3.12)
+        "megatron": ["megatron-core>=0.16.1,<0.20"],
         # nemo_run 0.11.1 fails to import with newer leptonai releases
         "nemo": ["nemo_run==0.11.1", "leptonai==0.27.3"],
         "gpu": ["flash-attn"],

@@ -13,8 +13,8 @@ holds the parallel sizes and whose ``model.config`` (a ``GPTConfig``) holds the 
 It validates up front what would otherwise fail late on the cluster: comm type names, the
 per-layer list length, a2a+p2p without hierarchical sizes (never silently CP-off), sizes
 whose product is not the CP size, and attention dropout (not implemented by our attention).
-Megatron-Bridge ``ConfigContainer`` objects are not handled (that package needs
-TransformerEngine to import, so it could not be tested here).
+A Megatron-Bridge ``ConfigContainer`` or GPT model provider given to :func:`apply_cp` is handed
+to :func:`megatron_cp_ext.bridge.apply_cp` (same arguments, Bridge's field layout).
 """
 
 from __future__ import annotations
@@ -51,7 +51,8 @@ def _locate(recipe: Any) -> tuple[Any, Any]:
     return strategy, config
 
 
-def _check_comm_type(cp_comm_type: str | Sequence[str], num_layers: int | None) -> str | list[str]:
+def check_comm_type(cp_comm_type: str | Sequence[str], num_layers: int | None) -> str | list[str]:
+    """The validated comm type: a string, or a list with one valid entry per layer."""
     kinds = [cp_comm_type] if isinstance(cp_comm_type, str) else list(cp_comm_type)
     bad = [k for k in kinds if k not in _COMM_TYPES]
     if bad or not kinds:
@@ -65,9 +66,10 @@ def _check_comm_type(cp_comm_type: str | Sequence[str], num_layers: int | None) 
     return kinds
 
 
-def _check_hierarchical(
+def check_hierarchical(
     sizes: Sequence[int] | None, context_parallel_size: int, kinds: str | list[str]
 ) -> list[int] | None:
+    """The validated ``[a2a, p2p]`` sizes (None when not given and not needed)."""
     uses_hcp = "a2a+p2p" in ([kinds] if isinstance(kinds, str) else kinds)
     if sizes is None:
         if uses_hcp and context_parallel_size > 1:
@@ -111,19 +113,33 @@ def apply_cp(
 ) -> Any:
     """Configure ``recipe`` (modified in place and returned) for megatron_cp_ext CP.
 
+    A Megatron-Bridge ``ConfigContainer`` / GPT model provider goes to
+    :func:`megatron_cp_ext.bridge.apply_cp` instead.
+
     Args:
         context_parallel_size: CP degree (the strategy's ``context_parallel_size``).
         cp_comm_type: ``p2p`` | ``all_gather`` | ``a2a`` | ``a2a+p2p``, or one per layer.
         hierarchical_sizes: ``[a2a, p2p]`` for ``a2a+p2p`` (product = CP size).
         load_balance, backend, chunk_size: see :class:`~megatron_cp_ext.megatron.CPAttentionOptions`.
     """
+    from . import bridge
     from .megatron.core_attention import CPAttentionOptions
 
+    if bridge.is_bridge_config(recipe):
+        return bridge.apply_cp(
+            recipe,
+            context_parallel_size=context_parallel_size,
+            cp_comm_type=cp_comm_type,
+            hierarchical_sizes=hierarchical_sizes,
+            load_balance=load_balance,
+            backend=backend,
+            chunk_size=chunk_size,
+        )
     if not isinstance(context_parallel_size, int) or context_parallel_size < 1:
         raise ValueError(f"context_parallel_size must be a positive int, got {context_parallel_size!r}")
     strategy, config = _locate(recipe)
-    kinds = _check_comm_type(cp_comm_type, getattr(config, "num_layers", None))
-    sizes = _check_hierarchical(hierarchical_sizes, context_parallel_size, kinds)
+    kinds = check_comm_type(cp_comm_type, getattr(config, "num_layers", None))
+    sizes = check_hierarchical(hierarchical_sizes, context_parallel_size, kinds)
     dropout = getattr(config, "attention_dropout", 0.0)
     if dropout:
         raise ValueError(
