@@ -44,6 +44,8 @@ class RankCost:
     """Sum of its transfers' times (as if nothing overlapped)."""
     time_s: dict[str, float]
     """Its layer time with the overlap rules."""
+    work: int
+    """Visible (query, key) pairs per head (as ``RankReport.work``)."""
     calls: int
     """Varlen calls per phase."""
     tile_area: int
@@ -146,7 +148,7 @@ def _rank_cost(rep: PlanReport, r: RankReport, prof: HardwareProfile) -> RankCos
         kend += sum(v[p] for s, v in comp.items() if s not in done)
         time[p] = coll + kend
     return RankCost(
-        rank=r.rank, flops=flops, compute_s=compute, comm_s=comm, time_s=time, calls=len(r.calls),
+        rank=r.rank, flops=flops, compute_s=compute, comm_s=comm, time_s=time, work=r.work, calls=len(r.calls),
         tile_area=r.tile_area, bytes_sent=dict(r.bytes_sent), bytes_received=dict(r.bytes_received),
     )  # fmt: skip
 
