@@ -116,7 +116,8 @@ def _prepare(q, k, v, a: dict, known: _Known) -> _Call:
     """Validate every argument (no communication); raises CPArgumentError/CPArgumentTypeError."""
     check = as_bool(a["check"], "check")
     fmt = as_choice(a["qkv_format"], "qkv_format", QKV_FORMATS)
-    comm_type = as_choice(a["comm_type"], "comm_type", (*COMM_TYPES, "auto"))
+    auto = isinstance(a["comm_type"], str) and a["comm_type"] == "auto"
+    comm_type = "auto" if auto else as_choice(a["comm_type"], "comm_type", COMM_TYPES)
     sharding = a["sharding"]
     if fmt == "thd":
         if not isinstance(sharding, CPSharding):
@@ -128,7 +129,6 @@ def _prepare(q, k, v, a: dict, known: _Known) -> _Call:
         raise CPArgumentError(
             f"sharding is for qkv_format='thd' only; {fmt} uses Megatron's fixed split (pass sharding=None)"
         )
-    auto = comm_type == "auto"
     if auto:  # group structure only: the pair means a2a+p2p is a candidate
         comm_type = "a2a+p2p" if isinstance(a["cp_group"], (list, tuple)) else "p2p"
     groups = known.groups = cp_groups(a["cp_group"], comm_type)
