@@ -79,3 +79,23 @@ def test_auto_choice_depends_on_profile():
         assert times[best] == min(times.values())
         picks[(len(seqlens), prof)] = (best, want)
     assert all(b == w for b, w in picks.values()), picks
+
+
+def _megatron_worker(rank, world, hcp):
+    from test_megatron_layer import layer_case
+
+    auto.LAST[0] = None
+    errs = layer_case(rank, world, "thd-long", "auto", None, hcp)
+    return errs, tuple(auto.LAST[0][1])
+
+
+@pytest.mark.parametrize("hcp", [None, (2, 2)], ids=["flat", "hierarchical"])
+def test_megatron_layer_auto_matches_cp1(hcp):
+    """--cp-comm-type auto through the Megatron layer (thd, cut documents) == the CP-1 layer;
+    a2a+p2p is a candidate exactly when hierarchical CP groups are configured."""
+    pytest.importorskip("megatron.core")
+    res = run_on_ranks(4, _megatron_worker, hcp)
+    for rank, (per_rank, candidates) in enumerate(res):
+        assert candidates == CANDIDATES[hcp is not None], candidates
+        bad = {k: v for k, v in per_rank.items() if v > 2e-5}
+        assert not bad, f"rank {rank}: auto differs from CP1: {bad}"
