@@ -30,7 +30,9 @@ setup(
         # nemo_run 0.11.1 fails to import with newer leptonai releases
         "nemo": ["nemo_run==0.11.1", "leptonai==0.27.3"],
         "gpu": ["flash-attn"],
+        "plot": ["matplotlib"],
     },
+    entry_points={"console_scripts": ["mcx-plan=megatron_cp_ext.plan.cli:main"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
 )

@@ -116,7 +116,8 @@ def _prepare(q, k, v, a: dict, known: _Known) -> _Call:
     """Validate every argument (no communication); raises CPArgumentError/CPArgumentTypeError."""
     check = as_bool(a["check"], "check")
     fmt = as_choice(a["qkv_format"], "qkv_format", QKV_FORMATS)
-    comm_type = as_choice(a["comm_type"], "comm_type", COMM_TYPES)
+    auto = isinstance(a["comm_type"], str) and a["comm_type"] == "auto"
+    comm_type = "auto" if auto else as_choice(a["comm_type"], "comm_type", COMM_TYPES)
     sharding = a["sharding"]
     if fmt == "thd":
         if not isinstance(sharding, CPSharding):
@@ -128,6 +129,8 @@ def _prepare(q, k, v, a: dict, known: _Known) -> _Call:
         raise CPArgumentError(
             f"sharding is for qkv_format='thd' only; {fmt} uses Megatron's fixed split (pass sharding=None)"
         )
+    if auto:  # group structure only: the pair means a2a+p2p is a candidate
+        comm_type = "a2a+p2p" if isinstance(a["cp_group"], (list, tuple)) else "p2p"
     groups = known.groups = cp_groups(a["cp_group"], comm_type)
     known.cp_rank = groups.rank
     causal, window = as_bool(a["causal"], "causal"), as_window(a["window_size"])
@@ -150,6 +153,9 @@ def _prepare(q, k, v, a: dict, known: _Known) -> _Call:
     backend = get_backend(shapes.device, backend_name)
     check_backend_dtype(backend.__name__.rsplit(".", 1)[-1], shapes.dtype)
     offset = check_offset(a["softmax_offset"], shapes)
+    if auto and groups.size > 1:
+        comm_type, groups = _auto(a["cp_group"], groups, sharding, mask, shapes)
+        known.groups = groups
     use_a2a = comm_type in ("a2a", "a2a+p2p") and groups.size > 1
     heads = a2a.split_heads(shapes.hq, shapes.hkv, groups.a2a_size) if use_a2a else None
     grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, offset) if x is not None)
@@ -157,6 +163,22 @@ def _prepare(q, k, v, a: dict, known: _Known) -> _Call:
     return _Call(
         q, k, v, shapes, groups, comm_type, fmt, seq_dims, sharding, mask, scale, backend, check, grad, heads, offset
     )
+
+
+def _auto(cp_group, groups: CPGroups, sharding: CPSharding, mask: MaskSpec, shapes) -> tuple[str, CPGroups]:
+    """``comm_type="auto"``: the predicted fastest comm type (same on every rank, no comm)."""
+    from .plan.auto import auto_profile, choose_comm_type
+
+    pair = isinstance(cp_group, (list, tuple))
+    whole = getattr(cp_group, "cp_group", None) if pair else cp_group
+    flat = ("p2p", "all_gather", "a2a") if whole is not None else ()
+    candidates = (("a2a+p2p",) if pair else ()) + flat
+    best, _ = choose_comm_type(
+        sharding, mask, candidates=candidates, a2a_size=groups.a2a_size, num_heads=shapes.hq,
+        num_kv_heads=shapes.hkv, head_dim=shapes.dqk, v_head_dim=shapes.dv, dtype=shapes.dtype,
+        profile=auto_profile(shapes.device),
+    )  # fmt: skip
+    return best, cp_groups(cp_group if best == "a2a+p2p" else whole, best)
 
 
 def _fingerprint(sharding: CPSharding) -> dict:
@@ -286,7 +308,9 @@ def cp_attention(
         cp_group: the CP process group (``None`` for a single rank); for ``a2a+p2p`` the pair
             ``[a2a_group, p2p_group]`` (from :func:`hierarchical_cp_groups`, which also carries
             the whole CP group the consistency exchange runs on).
-        comm_type: ``p2p`` (KV ring) | ``all_gather`` | ``a2a`` | ``a2a+p2p``.
+        comm_type: ``p2p`` (KV ring) | ``all_gather`` | ``a2a`` | ``a2a+p2p`` | ``auto``: per
+            micro-batch, the one the cost model predicts fastest (``docs/planning.md``;
+            ``a2a+p2p`` is a candidate when ``cp_group`` is the hierarchical pair).
         sharding: from :func:`shard_sequences`, required for ``thd`` (``None`` otherwise);
             reuse one per micro-batch.
         causal, window_size, chunk_size: mask on positions inside each sequence (design §1):

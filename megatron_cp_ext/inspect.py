@@ -37,7 +37,7 @@ from .schedules.heads import split_heads
 from .schedules.p2p_plan import P2PPlan
 from .sharding import CPSharding
 
-__all__ = ["inspect_plan", "PlanReport", "RankReport", "CallReport"]
+__all__ = ["inspect_plan", "PlanReport", "RankReport", "CallReport", "StepReport"]
 
 COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
 
@@ -59,6 +59,21 @@ class CallReport:
     """Score entries the call needs, per head."""
     tile_area: int
     """Entries of the 128x128 tiles the call touches, per head."""
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """One communication of a rank's forward, in execution order (the cost model's input)."""
+
+    step: int
+    """0: a collective before the local calls (``all_gather``, ``a2a``); s >= 1: p2p step s."""
+    kind: str
+    """``"ring"`` (p2p step) | ``"all_gather"`` | ``"a2a"``."""
+    peers: tuple[int, ...]
+    """CP ranks it exchanges with: ``(src, dst)`` for a ring step, the other members for a collective."""
+    bytes_sent: dict[str, int]
+    """``{"forward": ..., "backward": ...}``; the steps of a rank sum to its totals."""
+    bytes_received: dict[str, int]
 
 
 @dataclass
@@ -83,6 +98,10 @@ class RankReport:
     """Rows packed by a gather before sending (fragmented p2p selections, a2a permutations)."""
     plan_ms: float = 0.0
     """Host time to build this rank's plan."""
+    steps: list[StepReport] = field(default_factory=list)
+    """Its communications in order (collectives first, then p2p steps): they sum to the totals."""
+    heads: int = 0
+    """Query heads its calls compute (all heads except under a2a: its head shard)."""
 
     @property
     def useful(self) -> int:
@@ -108,6 +127,14 @@ class PlanReport:
     """Bytes of one token's K and V in ``dtype``."""
     total_tokens: int
     ranks: dict[int, RankReport] = field(default_factory=dict)
+    num_heads: int = 0
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    v_head_dim: int = 0
+    element_size: int = 0
+    """Bytes of one element of ``dtype``."""
+    a2a_size: int = 1
+    """Ranks per a2a group (``cp_size`` for a2a, 1 for p2p and all_gather)."""
 
     def _sum(self, f) -> float:
         return float(sum(f(r) for r in self.ranks.values()))
@@ -154,6 +181,19 @@ def _needed_rows(sharding: CPSharding, rank: int, mask: MaskSpec) -> int:
     return int((hi - lo).sum())
 
 
+def _ring_steps(plan: P2PPlan, kv_row: int, grad_row: int, to_cp=lambda j: j) -> list[StepReport]:
+    """Per p2p step bytes: KV out and in forward; backward resends KV and returns fp32 dK/dV."""
+    out = []
+    for st in plan.steps:
+        s, r = st.send.n, st.recv.n
+        out.append(StepReport(
+            st.slot, "ring", (to_cp(st.src), to_cp(st.dst)),
+            {"forward": s * kv_row, "backward": s * kv_row + r * grad_row},
+            {"forward": r * kv_row, "backward": r * kv_row + s * grad_row},
+        ))  # fmt: skip
+    return out
+
+
 def _p2p_bytes(plan: P2PPlan, kv_row: int, grad_row: int) -> tuple[dict, dict, int]:
     sent = sum(st.send.n for st in plan.steps)
     recv = sum(st.recv.n for st in plan.steps)
@@ -165,7 +205,7 @@ def _p2p_bytes(plan: P2PPlan, kv_row: int, grad_row: int) -> tuple[dict, dict, i
     )
 
 
-def _a2a_bytes(plan: A2APlan, hq: int, hkv: int, d: int, dv: int, es: int, tokens: int):
+def _a2a_bytes(plan: A2APlan, hq: int, hkv: int, d: int, dv: int, es: int, tokens: int, rank: int):
     """Bytes of the all-to-alls (queries and KV out, outputs back; gradients mirror them) plus the
     p2p exchange across the a2a groups, for this member's (possibly uneven) head shard."""
     a, me = len(plan.counts), plan.member
@@ -187,7 +227,15 @@ def _a2a_bytes(plan: A2APlan, hq: int, hkv: int, d: int, dv: int, es: int, token
     recv = {"forward": fwd_in + rr["forward"], "backward": bwd_in + rr["backward"]}
     packed += len(plan.perm) if a > 1 else 0
     calls = _call_reports(0, ring.own) + [c for st in ring.steps for c in _call_reports(st.slot, st.plan)]
-    return sent, recv, packed, nq[me] / hq, calls if nq[me] else []
+    base = rank - me  # CP rank = p2p index * a + a2a member
+    steps = []
+    if a > 1:
+        peers = tuple(base + j for j in range(a) if j != me)
+        steps.append(StepReport(
+            0, "a2a", peers, {"forward": fwd_out, "backward": bwd_out}, {"forward": fwd_in, "backward": bwd_in}
+        ))  # fmt: skip
+    steps += _ring_steps(ring, nkv[me] * (d + dv) * es, nkv[me] * (d + dv) * 4, lambda j: j * a + me)
+    return sent, recv, packed, nq[me] / hq, calls if nq[me] else [], steps, nq[me]
 
 
 def _rank_report(sharding, comm_type, rank, a2a_size, mask, shapes) -> RankReport:
@@ -200,7 +248,7 @@ def _rank_report(sharding, comm_type, rank, a2a_size, mask, shapes) -> RankRepor
     kv_row, grad_row = hkv * (d + dv) * es, hkv * (d + dv) * 4
     sent = {"forward": 0, "backward": 0}
     recv = {"forward": 0, "backward": 0}
-    padding, packed, heads_share = 0, 0, 1.0
+    padding, packed, heads_share, steps, heads = 0, 0, 1.0, [], hq
     if isinstance(plan, GatherPlan):
         calls = _call_reports(0, plan.step)
         if cp > 1:
@@ -208,19 +256,21 @@ def _rank_report(sharding, comm_type, rank, a2a_size, mask, shapes) -> RankRepor
             block = (cp - 1) * plan.pad
             sent = {"forward": block * kv_row, "backward": block * (kv_row + grad_row)}
             recv = dict(sent)
+            steps = [StepReport(0, "all_gather", tuple(j for j in range(cp) if j != rank), sent, recv)]
     elif isinstance(plan, P2PPlan):
         calls = _call_reports(0, plan.own) + [c for st in plan.steps for c in _call_reports(st.slot, st.plan)]
         sent, recv, packed = _p2p_bytes(plan, kv_row, grad_row)
+        steps = _ring_steps(plan, kv_row, grad_row)
     else:
         assert isinstance(plan, A2APlan)
-        sent, recv, packed, heads_share, calls = _a2a_bytes(plan, hq, hkv, d, dv, es, tokens)
+        sent, recv, packed, heads_share, calls, steps, heads = _a2a_bytes(plan, hq, hkv, d, dv, es, tokens, rank)
     need = _needed_rows(sharding, rank, mask) if cp > 1 else 0
     useful = sum(c.useful for c in calls)
     return RankReport(
         rank=rank, tokens=tokens, padding=padding, work=int(round(useful * heads_share)), calls=calls,
         bytes_sent=sent, bytes_received=recv,
         bytes_needed={"forward": need * kv_row, "backward": need * grad_row},
-        send_gathered_rows=packed, plan_ms=plan_ms,
+        send_gathered_rows=packed, plan_ms=plan_ms, steps=steps, heads=heads,
     )  # fmt: skip
 
 
@@ -264,7 +314,11 @@ def inspect_plan(
     for r in chosen:
         if not isinstance(r, int) or not 0 <= r < cp:
             raise ValueError(f"ranks must hold ranks in [0, {cp}), got {r!r}")
-    report = PlanReport(comm_type, cp, mask, num_kv_heads * (head_dim + dv) * es, sharding.total_tokens)
+    report = PlanReport(
+        comm_type, cp, mask, num_kv_heads * (head_dim + dv) * es, sharding.total_tokens, num_heads=num_heads,
+        num_kv_heads=num_kv_heads, head_dim=head_dim, v_head_dim=dv, element_size=es,
+        a2a_size=(a2a_size or 1) if comm_type in ("a2a", "a2a+p2p") else 1,
+    )  # fmt: skip
     shapes = (num_heads, num_kv_heads, head_dim, dv, es)
     for r in chosen:
         report.ranks[r] = _rank_report(sharding, comm_type, r, a2a_size, mask, shapes)

@@ -80,9 +80,9 @@ def add_megatron_cp_arguments(parser: argparse.ArgumentParser) -> argparse.Argum
         group.add_argument(
             "--cp-comm-type",
             nargs="+",
-            choices=_COMM_TYPES,
+            choices=(*_COMM_TYPES, "auto"),
             default=["p2p"],
-            help="one comm type for all layers, or one per layer",
+            help="one comm type for all layers, or one per layer (auto: predicted fastest per micro-batch)",
         )
     if not _has_option(parser, "--hierarchical-context-parallel-sizes"):
         group.add_argument(

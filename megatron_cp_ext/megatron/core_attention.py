@@ -74,8 +74,10 @@ def resolve_cp_comm_type(cp_comm_type: str | None, config: TransformerConfig, la
             raise ValueError(f"cp_comm_type lists {len(choice)} layers; layer {layer_number} has no entry")
         choice = choice[layer_number - 1]
     choice = "p2p" if choice is None else choice
-    if choice not in COMM_TYPES:
-        raise ValueError(f"cp_comm_type must be one of {COMM_TYPES} (or a per-layer list of them), got {choice!r}")
+    if choice not in (*COMM_TYPES, "auto"):
+        raise ValueError(
+            f"cp_comm_type must be one of {COMM_TYPES} or 'auto' (or a per-layer list of them), got {choice!r}"
+        )
     return choice
 
 
@@ -177,7 +179,9 @@ class CPCoreAttention(MegatronModule):
         self.cp_comm_type = resolve_cp_comm_type(cp_comm_type, config, self.layer_number)
         self.comm_group: Any = None
         if self.cp_size > 1:
-            use_hcp = self.cp_comm_type == "a2a+p2p"
+            # auto considers a2a+p2p only when hierarchical groups are configured
+            hcp = getattr(pg_collection, "hcp", None) or getattr(config, "hierarchical_context_parallel_sizes", None)
+            use_hcp = self.cp_comm_type == "a2a+p2p" or (self.cp_comm_type == "auto" and bool(hcp))
             self.comm_group = _hierarchical_groups(config, pg_collection, cp_group) if use_hcp else cp_group
         window = config.window_size
         use_window = is_layer_window_attention(window, config.window_attn_skip_freq, self.layer_number)

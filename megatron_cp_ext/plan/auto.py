@@ -1,0 +1,83 @@
+"""``comm_type="auto"``: the comm type the cost model predicts fastest for this micro-batch.
+
+The choice is a pure function of the (global) sharding, the mask, the head shapes, the group
+sizes and the profile, so every rank computes the same answer without communicating; it is
+cached on the sharding next to its plans. The profile is :func:`set_auto_profile`'s, else the
+``MCX_PLAN_PROFILE`` environment variable (a name or a file; set it identically on every
+rank), else ``h100-nvlink-ib400`` on CUDA and ``cpu-gloo`` on CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from ..inspect import inspect_plan
+from ..masks import MaskSpec
+from ..sharding import CPSharding
+from .cost import predict
+from .profiles import HardwareProfile, load_profile
+
+__all__ = ["choose_comm_type", "set_auto_profile", "auto_profile"]
+
+logger = logging.getLogger("megatron_cp_ext.auto")
+_PROFILE: list[HardwareProfile | None] = [None]
+_LOGGED: set[tuple] = set()
+LAST: list[tuple[str, dict[str, float]] | None] = [None]
+"""The latest choice made in this process and its predicted seconds (for tests and logs)."""
+
+
+def set_auto_profile(spec: str | HardwareProfile | None) -> None:
+    """Profile ``auto`` predicts with (a name, a JSON/TOML file, a profile, or None: default)."""
+    _PROFILE[0] = None if spec is None else load_profile(spec)
+
+
+def auto_profile(device: torch.device) -> HardwareProfile:
+    if _PROFILE[0] is not None:
+        return _PROFILE[0]
+    env = os.environ.get("MCX_PLAN_PROFILE")
+    if env:
+        return load_profile(env)
+    return load_profile("h100-nvlink-ib400" if device.type == "cuda" else "cpu-gloo")
+
+
+def choose_comm_type(
+    sharding: CPSharding,
+    mask: MaskSpec,
+    *,
+    candidates: tuple[str, ...],
+    a2a_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    v_head_dim: int,
+    dtype: torch.dtype,
+    profile: HardwareProfile,
+    backward: bool = True,
+) -> tuple[str, dict[str, float]]:
+    """The candidate with the lowest predicted layer time (forward, plus backward if
+    ``backward``; ties go to the earlier candidate) and every candidate's predicted seconds."""
+    key = ("auto", mask, candidates, a2a_size, num_heads, num_kv_heads, head_dim, v_head_dim, dtype, profile, backward)
+    hit = sharding._plans.get(key)
+    if hit is not None:
+        LAST[0] = hit
+        return hit
+    times: dict[str, float] = {}
+    for ct in candidates:
+        rep = inspect_plan(
+            sharding, ct, causal=mask.causal, window_size=(mask.left, mask.right), chunk_size=mask.chunk,
+            a2a_size=a2a_size if ct == "a2a+p2p" else None, num_heads=num_heads, num_kv_heads=num_kv_heads,
+            head_dim=head_dim, v_head_dim=v_head_dim, dtype=dtype,
+        )  # fmt: skip
+        cost = predict(rep, profile)
+        times[ct] = cost.total_s if backward else cost.forward_s
+    best = min(candidates, key=lambda ct: times[ct])
+    sharding._plans[key] = LAST[0] = (best, times)
+    note = (best, candidates, sharding.cp_size, profile.name)
+    level = logging.INFO if note not in _LOGGED else logging.DEBUG
+    _LOGGED.add(note)
+    shown = ", ".join(f"{ct} {t * 1e3:.3f} ms" for ct, t in times.items())
+    logger.log(level, "cp_attention comm_type=auto chose %s on %s (predicted per layer: %s)", best, profile.name, shown)
+    return best, times

@@ -1,0 +1,163 @@
+"""Cost model: predicted per-layer attention time of a plan on a hardware profile.
+
+A pure host function of :class:`~megatron_cp_ext.inspect.PlanReport` (every rank computes
+the same from the same plan). Per rank and per step:
+
+* compute = FLOPs of the 128x128 tiles its calls visit (forward ``2 (d + dv)`` per score
+  entry and head, backward ``2 (3d + 2dv)``: five matmuls with the recomputed scores) at the
+  profile's throughput, plus ``launch_us`` per call;
+* comm = ``latency_us`` + bytes over the link the step uses: NVLink between CP ranks of one
+  node (``ranks_per_node`` consecutive CP ranks), InfiniBand otherwise; a p2p step takes the
+  slower of its send and its receive; a collective (all-gather, a2a all-to-all) its bytes
+  over the slowest link of its group;
+* overlap: collectives are exposed (they precede the calls); p2p step ``s``'s transfer is
+  posted when step ``s - 1``'s compute starts and its compute waits for it.
+
+The layer takes the slowest rank's time (ring steps synchronise neighbours; the model does
+not propagate waits between ranks beyond that maximum).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..inspect import PlanReport, RankReport, StepReport
+from .profiles import HardwareProfile
+
+__all__ = ["RankCost", "LayerCost", "predict", "call_flops", "HIDDEN_FRACTION"]
+
+HIDDEN_FRACTION = 0.05
+"""Comm counts as hidden when the exposed part is under this fraction of the layer time."""
+PHASES = ("forward", "backward")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankCost:
+    """Predicted costs of one rank, per phase (``{"forward": ..., "backward": ...}``)."""
+
+    rank: int
+    flops: dict[str, float]
+    """FLOPs over the visited tiles of all its calls."""
+    compute_s: dict[str, float]
+    """Kernel time: FLOPs at the profile's throughput plus the launch cost per call."""
+    comm_s: dict[str, float]
+    """Sum of its transfers' times (as if nothing overlapped)."""
+    time_s: dict[str, float]
+    """Its layer time with the overlap rules."""
+    work: int
+    """Visible (query, key) pairs per head (as ``RankReport.work``)."""
+    calls: int
+    """Varlen calls per phase."""
+    tile_area: int
+    """Visited tile entries per head (as ``RankReport.tile_area``)."""
+    bytes_sent: dict[str, int]
+    bytes_received: dict[str, int]
+
+    def exposed_s(self, phase: str) -> float:
+        return max(self.time_s[phase] - self.compute_s[phase], 0.0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerCost:
+    """Predicted per-layer time of one plan: the slowest rank per phase."""
+
+    comm_type: str
+    profile: str
+    ranks: dict[int, RankCost] = field(default_factory=dict)
+
+    def time_s(self, phase: str) -> float:
+        return max((r.time_s[phase] for r in self.ranks.values()), default=0.0)
+
+    @property
+    def forward_s(self) -> float:
+        return self.time_s("forward")
+
+    @property
+    def backward_s(self) -> float:
+        return self.time_s("backward")
+
+    @property
+    def total_s(self) -> float:
+        return self.forward_s + self.backward_s
+
+    def hidden(self, phase: str = "forward") -> bool:
+        """Whether comm hides behind compute on the slowest rank of ``phase``."""
+        if not self.ranks:
+            return True
+        slow = max(self.ranks.values(), key=lambda r: r.time_s[phase])
+        return slow.exposed_s(phase) <= HIDDEN_FRACTION * max(slow.time_s[phase], 1e-30)
+
+
+def call_flops(tile_area: int, heads: int, head_dim: int, v_head_dim: int) -> dict[str, float]:
+    """FLOPs of one call over ``tile_area`` entries per head."""
+    per = float(tile_area) * heads * 2
+    return {"forward": per * (head_dim + v_head_dim), "backward": per * (3 * head_dim + 2 * v_head_dim)}
+
+
+def _link_s(a: int, b: int, nbytes: int, prof: HardwareProfile) -> float:
+    same = a // prof.ranks_per_node == b // prof.ranks_per_node
+    return nbytes / ((prof.intra_gbps if same else prof.inter_gbps) * 1e9)
+
+
+def step_comm_s(rank: int, st: StepReport, phase: str, prof: HardwareProfile) -> float:
+    """Time of one communication of ``rank`` (see the module docstring)."""
+    sent, recv = st.bytes_sent[phase], st.bytes_received[phase]
+    if not sent and not recv:
+        return 0.0
+    lat = prof.latency_us * 1e-6
+    if st.kind == "ring":
+        src, dst = st.peers
+        return lat + max(_link_s(rank, dst, sent, prof), _link_s(rank, src, recv, prof))
+    worst = max((_link_s(rank, p, max(sent, recv), prof) for p in st.peers), default=0.0)
+    return lat * max(len(st.peers), 1) + worst
+
+
+def _rank_cost(rep: PlanReport, r: RankReport, prof: HardwareProfile) -> RankCost:
+    heads = r.heads or rep.num_heads
+    d, dv = rep.head_dim, rep.v_head_dim
+    flops = {p: 0.0 for p in PHASES}
+    comp: dict[int, dict[str, float]] = {}
+    rate = {"forward": prof.fwd_tflops * 1e12, "backward": prof.bwd_tflops * 1e12}
+    for c in r.calls:
+        f = call_flops(c.tile_area, heads, d, dv)
+        slot = comp.setdefault(c.step, {p: 0.0 for p in PHASES})
+        for p in PHASES:
+            flops[p] += f[p]
+            slot[p] += f[p] / rate[p] + prof.launch_us * 1e-6
+    compute = {p: sum(s[p] for s in comp.values()) for p in PHASES}
+    comm = {p: 0.0 for p in PHASES}
+    time = {}
+    for p in PHASES:
+        coll = 0.0
+        ring: list[tuple[int, float]] = []
+        for st in r.steps:
+            t = step_comm_s(r.rank, st, p, prof)
+            comm[p] += t
+            if st.kind == "ring":
+                ring.append((st.step, t))
+            else:
+                coll += t
+        kstart, kend, cend = 0.0, comp.get(0, {}).get(p, 0.0), 0.0
+        done = {0}
+        for s, t in ring:
+            cstart = max(cend, kstart)  # posted when the previous step's compute starts
+            cend = cstart + t
+            kstart = max(kend, cend)
+            kend = kstart + comp.get(s, {}).get(p, 0.0)
+            done.add(s)
+        kend += sum(v[p] for s, v in comp.items() if s not in done)
+        time[p] = coll + kend
+    return RankCost(
+        rank=r.rank, flops=flops, compute_s=compute, comm_s=comm, time_s=time, work=r.work, calls=len(r.calls),
+        tile_area=r.tile_area, bytes_sent=dict(r.bytes_sent), bytes_received=dict(r.bytes_received),
+    )  # fmt: skip
+
+
+def predict(report: PlanReport, profile: HardwareProfile) -> LayerCost:
+    """Predicted per-layer forward and backward time of ``report``'s plan on ``profile``."""
+    if not report.head_dim:
+        raise ValueError("report lacks head shapes: build it with inspect_plan")
+    out = LayerCost(comm_type=report.comm_type, profile=profile.name)
+    for k, r in report.ranks.items():
+        out.ranks[k] = _rank_cost(report, r, profile)
+    return out

@@ -1,0 +1,133 @@
+"""The cost model's volume and work terms are inspect_plan's counts, exactly; its overlap
+rules on a hand-computed timeline; profiles from names and files."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import megatron_cp_ext as mcx
+from megatron_cp_ext.inspect import CallReport, PlanReport, RankReport, StepReport
+from megatron_cp_ext.masks import MaskSpec
+from megatron_cp_ext.plan.cost import predict
+from megatron_cp_ext.plan.profiles import PROFILES, load_profile
+
+CASES = [  # (seqlens, cp, balance, mask)
+    ((300, 7, 0, 129, 1000, 64), 4, "workload", dict(causal=True)),
+    ((300, 7, 0, 129, 1000, 64), 4, "dualchunk", dict(causal=False)),
+    ((513, 250, 40), 4, "workload", dict(causal=True, window_size=(100, 0))),
+    ((700, 90), 8, "contiguous", dict(causal=True, chunk_size=128)),
+]
+COMMS = [("p2p", None), ("all_gather", None), ("a2a", None), ("a2a+p2p", 2)]
+SHAPES = dict(num_heads=8, num_kv_heads=2, head_dim=16, v_head_dim=8, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("comm", COMMS, ids=[c for c, _ in COMMS])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_terms_equal_inspect_counts(case, comm):
+    seqlens, cp, balance, mask = CASES[case]
+    sharding = mcx.shard_sequences(np.cumsum([0, *seqlens]).tolist(), cp, balance, **mask)
+    rep = mcx.inspect_plan(sharding, comm[0], a2a_size=comm[1], **mask, **SHAPES)
+    cost = predict(rep, PROFILES["h100"])
+    es, kv_row = 2, 2 * (16 + 8) * 2
+    assert rep.kv_row_bytes == kv_row
+    heads_total = 0
+    for k, r in rep.ranks.items():
+        c = cost.ranks[k]
+        assert c.bytes_sent == r.bytes_sent and c.bytes_received == r.bytes_received
+        assert c.tile_area == r.tile_area and c.calls == len(r.calls) and c.work == r.work
+        heads_total += r.heads
+        # FLOPs from the calls' tile areas, counted independently of the model's code
+        fwd = sum(x.tile_area for x in r.calls) * r.heads * 2 * (16 + 8)
+        bwd = sum(x.tile_area for x in r.calls) * r.heads * 2 * (3 * 16 + 2 * 8)
+        assert c.flops == {"forward": fwd, "backward": bwd}
+        for phase in ("forward", "backward"):  # the steps partition the totals
+            assert sum(s.bytes_sent[phase] for s in r.steps) == r.bytes_sent[phase]
+            assert sum(s.bytes_received[phase] for s in r.steps) == r.bytes_received[phase]
+        if comm[0] == "p2p":  # the ring moves exactly the needed rows, and only to ring peers
+            assert r.bytes_received["forward"] == r.bytes_needed["forward"]
+            assert all(s.kind == "ring" and s.peers == ((k - s.step) % cp, (k + s.step) % cp) for s in r.steps)
+        if comm[0] == "all_gather":
+            pad = max(sharding.num_tokens(j) for j in range(cp))
+            assert r.bytes_received["forward"] == (cp - 1) * pad * kv_row
+            assert r.tokens + r.padding == pad
+        assert es == rep.element_size
+    # head shards cover the heads once per a2a group; the work sums to the batch's pairs
+    assert heads_total == 8 * cp // rep.a2a_size
+    # the a2a shares' work sums to the batch's visible pairs (up to rounding per rank)
+    p2p = mcx.inspect_plan(sharding, "p2p", **mask, **SHAPES)
+    assert abs(sum(c.work for c in cost.ranks.values()) - sum(r.work for r in p2p.ranks.values())) <= cp
+
+
+def _fake_report(compute_tiles: int, ring_bytes: int) -> PlanReport:
+    """One rank, three steps (own + two ring steps), equal compute and comm per step."""
+    calls = [CallReport(s, [0, 1], [0, 1], True, (-1, 0), 0, 1, compute_tiles) for s in range(3)]
+    steps = [
+        StepReport(s, "ring", (0, 1), {"forward": ring_bytes, "backward": 0}, {"forward": ring_bytes, "backward": 0})
+        for s in (1, 2)
+    ]
+    r = RankReport(rank=0, tokens=1, padding=0, work=1, calls=calls, bytes_sent={"forward": 2 * ring_bytes,
+                   "backward": 0}, bytes_received={"forward": 2 * ring_bytes, "backward": 0},
+                   bytes_needed={"forward": 0, "backward": 0}, steps=steps, heads=1)  # fmt: skip
+    rep = PlanReport("p2p", 2, MaskSpec.make(causal=True), 1, 1, num_heads=1, num_kv_heads=1, head_dim=1,
+                     v_head_dim=1, element_size=2)  # fmt: skip
+    rep.ranks[0] = r
+    return rep
+
+
+def test_overlap_timeline_by_hand():
+    # 4 FLOPs per tile entry forward (2 * (d + dv)); 1e12 entries at 4 TFLOP/s = 1 s per step
+    prof = load_profile("h100", fwd_tflops=4.0, launch_us=0.0, latency_us=0.0, intra_gbps=1.0, inter_gbps=1.0)
+    # comm 2 s per step: compute0 [0,1], comm1 [0,2], compute1 [2,3], comm2 posted at 2 -> [2,4], compute2 [4,5]
+    cost = predict(_fake_report(10**12, 2 * 10**9), prof)
+    assert cost.ranks[0].compute_s["forward"] == pytest.approx(3.0)
+    assert cost.ranks[0].comm_s["forward"] == pytest.approx(4.0)
+    assert cost.forward_s == pytest.approx(5.0) and not cost.hidden("forward")
+    # comm 0.5 s per step: fully hidden behind the previous step's compute
+    cost = predict(_fake_report(10**12, 5 * 10**8), prof)
+    assert cost.forward_s == pytest.approx(3.0) and cost.hidden("forward")
+    # a collective is exposed: it adds to the compute
+    rep = _fake_report(10**12, 0)
+    r = rep.ranks[0]
+    r.steps[:] = [
+        StepReport(0, "all_gather", (1,), {"forward": 10**9, "backward": 0}, {"forward": 10**9, "backward": 0})
+    ]
+    assert predict(rep, prof).forward_s == pytest.approx(4.0)
+
+
+def test_link_choice_follows_nodes():
+    """Ring steps inside a node use NVLink, across nodes InfiniBand (ranks_per_node)."""
+    sharding = mcx.shard_sequences([0, 4096, 8192], 4, "dualchunk")
+    rep = mcx.inspect_plan(sharding, "p2p", **SHAPES)
+    one_node = predict(rep, load_profile("h100", ranks_per_node=4)).ranks
+    two_nodes = predict(rep, load_profile("h100", ranks_per_node=2)).ranks
+    assert all(two_nodes[k].comm_s["forward"] > one_node[k].comm_s["forward"] for k in one_node)
+
+
+def test_profile_files(tmp_path):
+    f = tmp_path / "mine.json"
+    f.write_text(json.dumps({"base": "h100", "ranks_per_node": 4, "inter_gbps": 25.0}))
+    p = load_profile(str(f))
+    assert (p.ranks_per_node, p.inter_gbps, p.fwd_tflops) == (4, 25.0, PROFILES["h100"].fwd_tflops)
+    t = tmp_path / "mine.toml"
+    fields = dict(fwd_tflops=1.0, bwd_tflops=1.0, launch_us=1.0, intra_gbps=1.0, inter_gbps=1.0, latency_us=1.0)
+    t.write_text("\n".join(f"{k} = {v}" for k, v in fields.items()) + "\nranks_per_node = 2\nname = 'x'\n")
+    assert load_profile(str(t)).name == "x"
+    f.write_text(json.dumps({"base": "h100", "tflops": 3}))
+    with pytest.raises(ValueError, match="unknown fields"):
+        load_profile(str(f))
+    with pytest.raises(ValueError, match="unknown profile"):
+        load_profile("tpu")
+    with pytest.raises(ValueError, match="inter_gbps"):
+        load_profile("h100", inter_gbps=0.0)
+
+
+def test_megatron_accepts_auto():
+    pytest.importorskip("megatron.core")
+    import argparse
+
+    from megatron_cp_ext.megatron.args import add_megatron_cp_arguments
+
+    args = add_megatron_cp_arguments(argparse.ArgumentParser()).parse_args(["--cp-comm-type", "auto"])
+    assert args.cp_comm_type == ["auto"]

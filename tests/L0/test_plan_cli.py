@@ -1,0 +1,114 @@
+"""mcx-plan: its rows are inspect_plan's counts and the cost model's predictions, the winner
+is the fastest row, inputs parse the same from every source, and bad input exits 2 naming
+the flag."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+import megatron_cp_ext as mcx
+from megatron_cp_ext.plan import cli
+from megatron_cp_ext.plan.cost import predict
+from megatron_cp_ext.plan.profiles import PROFILES
+
+LENGTHS = [700, 3, 0, 250, 1300, 64]
+BASE = ["--heads", "8", "--kv-heads", "2", "--head-dim", "16", "--no-progress"]
+
+
+def _json(capsys, argv):
+    assert cli.main([*argv, *BASE, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_rows_match_inspect_and_model(capsys):
+    out = _json(capsys, ["--lengths", ",".join(map(str, LENGTHS)), "--cp", "2,4", "--balance", "workload,dualchunk",
+                         "--a2a-size", "2"])  # fmt: skip
+    assert len(out["rows"]) == 2 * 2 * 4  # cp x balance x comm type (a2a size 2 divides both)
+    cu = [0]
+    for n in LENGTHS:
+        cu.append(cu[-1] + n)
+    for row in out["rows"]:
+        sh = mcx.shard_sequences(cu, row["cp"], row["balance"])
+        a = row["a2a_size"] if row["comm_type"] == "a2a+p2p" else None
+        rep = mcx.inspect_plan(sh, row["comm_type"], a2a_size=a, num_heads=8, num_kv_heads=2, head_dim=16)
+        cost = predict(rep, PROFILES["h100-nvlink-ib400"])
+        rk = list(rep.ranks.values())
+        assert row["work"] == [r.work for r in rk]
+        assert row["max_work"] == max(r.work for r in rk)
+        assert row["fwd_bytes"] == max(max(r.bytes_sent["forward"], r.bytes_received["forward"]) for r in rk)
+        assert row["calls"] == max(len(r.calls) for r in rk)
+        assert row["tile_efficiency"] == pytest.approx(rep.tile_efficiency)
+        assert row["fwd_ms"] == pytest.approx(cost.forward_s * 1e3)
+        assert row["bwd_ms"] == pytest.approx(cost.backward_s * 1e3)
+    for cp in (2, 4):
+        rows = [r for r in out["rows"] if r["cp"] == cp]
+        best = min(rows, key=lambda r: r["fwd_ms"] + r["bwd_ms"])
+        assert out["winner"][str(cp)] == {"comm_type": best["comm_type"], "balance": best["balance"]}
+
+
+def test_sources_agree(capsys, tmp_path):
+    lengths = ",".join(map(str, LENGTHS))
+    a = _json(capsys, ["--lengths", lengths, "--cp", "4"])
+    f = tmp_path / "lens.txt"
+    f.write_text("\n".join(map(str, LENGTHS)))
+    b = _json(capsys, ["--lengths-file", str(f), "--cp", "4"])
+    cu = [0]
+    for n in LENGTHS:
+        cu.append(cu[-1] + n)
+    f.write_text(" ".join(map(str, cu)))
+    c = _json(capsys, ["--lengths-file", str(f), "--cp", "4"])
+    assert a["rows"] == b["rows"] == c["rows"]
+    d = _json(capsys, ["--dist", "long+short", "--total", "20000", "--long", "8000", "--cp", "4"])
+    assert d["tokens"] == 20000
+
+
+def test_table_and_plot(capsys, tmp_path):
+    assert cli.main(["--dist", "lognormal", "--total", "30000", "--cp", "4", *BASE]) == 0
+    text = capsys.readouterr().out
+    assert "<- best" in text and "predicted best" in text and "a2a+p2p(4)" in text
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "p.png"
+    assert cli.main(["--lengths", "900,100", "--cp", "2", "--plot", str(png), *BASE]) == 0
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["--lengths", "10,x"], "--lengths"),
+        (["--lengths", "10,-3"], "--lengths"),
+        (["--lengths", "10", "--cp", "0"], "--cp"),
+        (["--lengths", "10", "--comm-type", "ring"], "--comm-type"),
+        (["--lengths", "10", "--balance", "zigzag"], "--balance"),
+        (["--lengths", "10", "--heads", "8", "--kv-heads", "3"], "--kv-heads"),
+        (["--lengths", "10", "--window", "a,b"], "--window"),
+        (["--lengths", "10", "--profile", "tpu-v9"], "--profile"),
+        (["--lengths", "10", "--cp", "8", "--a2a-size", "3"], "--a2a-size"),
+        (["--lengths-file", "/nonexistent/lens"], "--lengths-file"),
+        (["--dist", "lognormal", "--total", "0"], "--total"),
+        ([], "--lengths"),
+    ],
+)
+def test_bad_input_exits_2(argv, flag, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2
+    assert flag in capsys.readouterr().err
+
+
+def test_plot_without_matplotlib(monkeypatch, capsys):
+    from megatron_cp_ext.plan import plot
+
+    monkeypatch.setattr(plot.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--lengths", "10", "--plot", "x.png"])
+    assert e.value.code == 2 and "matplotlib" in capsys.readouterr().err
+
+
+def test_module_entry_point():
+    r = subprocess.run([sys.executable, "-m", "megatron_cp_ext.plan", "--lengths", "100,20", "--cp", "2", "--json"],
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["documents"] == 2
