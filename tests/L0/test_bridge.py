@@ -5,7 +5,7 @@ TransformerEngine unconditionally), so when ``megatron.bridge`` is missing the m
 stand-in with Bridge 0.6.2's field names: ``GPTModelProvider`` is a real megatron-core
 ``TransformerConfig`` subclass with Bridge's ``transformer_layer_spec``, ``seq_length`` and
 ``vocab_size`` fields, held at ``ConfigContainer.model``. The YAML test uses megatron-core's real
-``megatron.training`` config container (0.19+; the ``to_yaml``/``from_yaml`` and target allowlist
+``megatron.training`` config container (0.18+; the ``to_yaml``/``from_yaml`` and target allowlist
 that Bridge's ``ConfigContainer`` inherits), with ``typing.override`` backfilled on Python 3.11.
 When ``megatron.bridge`` imports, the real ``GPTModelProvider`` is used instead.
 """
@@ -134,7 +134,7 @@ def test_dropout_and_shape_checks() -> None:
 
 
 def _megatron_training_container():
-    """megatron-core's real config container (0.19+), importable on Python 3.11 too."""
+    """megatron-core's real config container (0.18+), importable on Python 3.11 too."""
     if not hasattr(typing, "override"):  # Python 3.12 API that megatron.training imports
         typing.override = lambda fn: fn  # type: ignore[attr-defined]
     pytest.importorskip("yaml")
@@ -143,7 +143,7 @@ def _megatron_training_container():
         from megatron.training.config.container import ConfigContainerBase
         from megatron.training.config.instantiate_utils import target_allowlist
     except ImportError as e:
-        pytest.skip(f"megatron.training config container not importable (megatron-core < 0.19?): {e}")
+        pytest.skip(f"megatron.training config container not importable (megatron-core < 0.18?): {e}")
     return ConfigContainerBase, target_allowlist
 
 
