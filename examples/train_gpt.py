@@ -141,7 +141,7 @@ def local_batch(args: argparse.Namespace, batch: dict, device: torch.device) -> 
     """This CP rank's tokens (position ids keep their true in-document values)."""
     from megatron.core import parallel_state
 
-    from megatron_cp_ext.megatron import get_batch_on_this_cp_rank
+    from megatron_cp_ext.megatron import shard_batch_for_cp
 
     cp_group = parallel_state.get_context_parallel_group()
     tensors = {k: v.to(device) for k, v in batch.items() if k != "cu_seqlens"}
@@ -149,12 +149,13 @@ def local_batch(args: argparse.Namespace, batch: dict, device: torch.device) -> 
         # the model's mask: the workload balance evens out attention work under it
         mask = {"window_size": tuple(args.window_size) if args.window_size else (-1, -1),
                 "chunk_size": args.cp_attention_chunk_size}  # fmt: skip
-        return get_batch_on_this_cp_rank(
-            tensors, batch["cu_seqlens"], cp_group, balance=args.cp_load_balance, causal=True, **mask
+        cu = batch["cu_seqlens"]
+        return shard_batch_for_cp(
+            tensors, cu_seqlens=cu, cp_group=cp_group, balance=args.cp_load_balance, causal=True, **mask
         )
     s = tensors["tokens"].shape[1]
     tensors["position_ids"] = torch.arange(s, device=device).expand_as(tensors["tokens"])
-    return get_batch_on_this_cp_rank(tensors, cp_group=cp_group)
+    return shard_batch_for_cp(tensors, cp_group=cp_group)
 
 
 def train_step(model, optimizer, batch: dict) -> tuple[float, int]:

@@ -1,6 +1,6 @@
-"""Megatron-core integration: core attention, layer spec, THD batch split, RoPE, arguments.
+"""Megatron-core integration: core attention, layer specs (GPT, MLA, HybridModel), batch split, RoPE, arguments.
 
-Everything here needs ``megatron-core`` (0.16.x); the core package does not. Names are
+Everything here needs ``megatron-core`` (0.16 to 0.19); the core package does not. Names are
 resolved lazily so that ``import megatron_cp_ext.megatron`` is cheap and a missing
 megatron-core produces one clear error naming the install line, not an import-time crash
 deep inside Megatron. :mod:`.args` is plain ``argparse`` and works without megatron-core.
@@ -14,6 +14,8 @@ from typing import Any
 __all__ = [
     "CPAttentionOptions",
     "CPCoreAttention",
+    "CPMLARotaryEmbedding",
+    "CPMLASelfAttention",
     "CPRotaryEmbedding",
     "CPSelfAttention",
     "CPTransformerLayer",
@@ -21,10 +23,11 @@ __all__ = [
     "add_megatron_cp_arguments",
     "cp_attention_options_from_args",
     "cp_layer_spec",
-    "get_batch_on_this_cp_rank",
     "get_gpt_layer_cp_spec",
+    "get_hybrid_stack_cp_spec",
     "install_cp_rope",
     "make_packed_seq_params",
+    "shard_batch_for_cp",
 ]
 
 _HOME = {
@@ -36,14 +39,17 @@ _HOME = {
     "CPTransformerLayer": "spec",
     "cp_layer_spec": "spec",
     "get_gpt_layer_cp_spec": "spec",
-    "get_batch_on_this_cp_rank": "batch",
+    "CPMLARotaryEmbedding": "mla",
+    "CPMLASelfAttention": "mla",
+    "shard_batch_for_cp": "batch",
+    "get_hybrid_stack_cp_spec": "hybrid",
     "make_packed_seq_params": "batch",
     "add_arguments": "args",
     "add_megatron_cp_arguments": "args",
     "cp_attention_options_from_args": "args",
 }
 
-INSTALL_HINT = 'pip install "megatron-core==0.16.1" einops'
+INSTALL_HINT = 'pip install "megatron-core>=0.16.1,<0.20" einops'
 
 
 def require_megatron() -> None:
@@ -51,10 +57,21 @@ def require_megatron() -> None:
     try:
         importlib.import_module("megatron.core")
     except ImportError as e:  # pragma: no cover - exercised only without megatron-core
-        raise ImportError(f"megatron_cp_ext.megatron needs megatron-core 0.16.x ({INSTALL_HINT}): {e}") from e
+        raise ImportError(f"megatron_cp_ext.megatron needs megatron-core 0.16.1 to 0.19.x ({INSTALL_HINT}): {e}") from e
+
+
+_RENAMED = {
+    "get_batch_on_this_cp_rank": (
+        "shard_batch_for_cp(batch, cu_seqlens=..., cp_group=..., balance=..., causal=..., window_size=..., "
+        "chunk_size=...) (renamed so as not to shadow Megatron's get_batch_on_this_cp_rank, whose contract differs)"
+    ),
+}
 
 
 def __getattr__(name: str) -> Any:
+    if name in _RENAMED:
+        # ImportError, not AttributeError: ``from ... import`` would replace an AttributeError's text.
+        raise ImportError(f"megatron_cp_ext.megatron.{name} is now {_RENAMED[name]}")
     home = _HOME.get(name)
     if home is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

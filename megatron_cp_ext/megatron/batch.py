@@ -32,8 +32,8 @@ from ..validation import CPArgumentError
 __all__ = [
     "CPBatchContext",
     "cp_context",
-    "get_batch_on_this_cp_rank",
     "make_packed_seq_params",
+    "shard_batch_for_cp",
     "zigzag_positions",
 ]
 
@@ -248,11 +248,11 @@ def _shard_zigzag(batch: dict, cp_group) -> dict:
     return out
 
 
-def get_batch_on_this_cp_rank(
+def shard_batch_for_cp(
     batch: dict,
+    *,
     cu_seqlens: torch.Tensor | Sequence[int] | None = None,
     cp_group: dist.ProcessGroup | None = None,
-    *,
     balance: str = "workload",
     causal: bool = True,
     window_size: tuple[int, int] = (-1, -1),
@@ -270,6 +270,10 @@ def get_batch_on_this_cp_rank(
 
     ``cp_group`` defaults to Megatron's CP group (``parallel_state``), or CP size 1. ``balance``
     and the model's mask (``causal``, ``window_size``, ``chunk_size``) choose the THD split.
+
+    Not named after Megatron's ``get_batch_on_this_cp_rank``: that function's contract differs
+    between megatron-core releases (``(batch, cp_group)`` in 0.16, ``(batch, is_hybrid_cp,
+    cp_group, ...)`` in 0.19) and neither takes host ``cu_seqlens``; everything here is by keyword.
     """
     if cp_group is None:
         cp_group = _default_cp_group()

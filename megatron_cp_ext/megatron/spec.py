@@ -6,7 +6,9 @@ spec and swaps three things:
 * ``core_attention`` -> :class:`~.core_attention.CPCoreAttention`;
 * ``SelfAttention`` -> :class:`CPSelfAttention`, which rotates q and k by each token's true
   position in its sequence (from the micro-batch's plan, sync-free) instead of Megatron's
-  THD RoPE, which assumes TransformerEngine's padded per-rank layout and syncs every layer;
+  THD RoPE, which assumes TransformerEngine's padded per-rank layout and syncs every layer
+  (with ``multi_latent_attention``: ``MLASelfAttention`` -> :class:`~.mla.CPMLASelfAttention`,
+  the same idea for MLA's own RoPE/YaRN table);
 * ``TransformerLayer`` -> :class:`CPTransformerLayer`, which reads a per-layer
   ``cp_comm_type`` list with the 1-based global layer number. megatron-core 0.16 indexes
   the list with ``layer_number`` directly, which is off by one and raises ``IndexError``
@@ -27,6 +29,7 @@ from typing import Any
 import torch
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer, get_transformer_layer_offset
@@ -34,6 +37,7 @@ from megatron.core.utils import get_pg_rank
 
 from .batch import cp_context
 from .core_attention import CPAttentionOptions, CPCoreAttention
+from .mla import CPMLASelfAttention, _local_seq_len
 from .rope import apply_rope_at_positions, local_rope_freqs
 
 try:  # yarn's attention scaling, as Megatron's Attention.forward applies it
@@ -85,7 +89,7 @@ class CPSelfAttention(SelfAttention):
             mask = getattr(self.core_attention, "balance_mask", {})
             ctx = cp_context(packed_seq_params, cp_size, cp_rank, balance, **mask)
             positions = ctx.positions(rotary_pos_emb.device)
-        s_local = hidden_states.shape[0]
+        s_local = _local_seq_len(self, hidden_states)
         return local_rope_freqs(rotary_pos_emb, positions=positions, s_local=s_local, cp_size=cp_size, cp_rank=cp_rank)
 
     def forward(self, hidden_states, attention_mask, *args: Any, **kwargs: Any):
@@ -138,6 +142,47 @@ class CPTransformerLayer(TransformerLayer):
         super().__init__(config, submodules, layer_number, *args, **kwargs)
 
 
+_CONFIG_FIELD = {
+    "num_experts": "num_moe_experts",
+    "moe_grouped_gemm": "moe_grouped_gemm",
+    "qk_layernorm": "qk_layernorm",
+    "multi_latent_attention": "multi_latent_attention",
+    "normalization": "normalization",
+    "qk_l2_norm": "qk_l2_norm",
+    "moe_use_legacy_grouped_gemm": "moe_use_legacy_grouped_gemm",  # megatron-core <= 0.16
+}
+"""``get_gpt_layer_local_spec`` argument -> the ``TransformerConfig`` field it mirrors; these
+are honoured (forwarded to Megatron's local spec, whose modules we keep)."""
+
+REFUSED_LOCAL_SPEC_ARGS = {
+    "use_kitchen": "Kitchen replaces linear layers and core attention with its own modules",
+    "use_kitchen_attention": "Kitchen attention replaces the core attention this spec provides",
+}
+"""Local-spec arguments this spec refuses when set (a clear ``ValueError`` naming them)."""
+
+IGNORED_LOCAL_SPEC_ARGS = {
+    "fp8": "deprecated and unused by Megatron's local spec itself",
+    "kitchen_attention_backend": "only read together with use_kitchen (refused)",
+}
+"""Local-spec arguments without effect on a non-Kitchen local spec; accepted and forwarded."""
+
+_CP_ATTENTION = {SelfAttention: CPSelfAttention, MLASelfAttention: CPMLASelfAttention}
+
+
+def _local_spec(kwargs: dict[str, Any]) -> ModuleSpec:
+    """Megatron's local spec for ``kwargs``, refusing what our attention cannot honour."""
+    accepted = inspect.signature(get_gpt_layer_local_spec).parameters
+    for name, why in REFUSED_LOCAL_SPEC_ARGS.items():
+        if kwargs.get(name):
+            raise ValueError(f"get_gpt_layer_cp_spec does not support {name}=True ({why}); set {name}=False")
+    if kwargs.get("multi_latent_attention") and kwargs.get("qk_l2_norm"):
+        raise ValueError("qk_l2_norm is not supported with multi_latent_attention (as in Megatron's local spec)")
+    unknown = [k for k, v in kwargs.items() if k not in accepted and v not in (None, False)]
+    if unknown:
+        raise ValueError(f"this megatron-core's get_gpt_layer_local_spec has no argument {unknown}")
+    return get_gpt_layer_local_spec(**{k: v for k, v in kwargs.items() if k in accepted})
+
+
 def get_gpt_layer_cp_spec(
     *,
     qk_layernorm: bool = False,
@@ -145,24 +190,40 @@ def get_gpt_layer_cp_spec(
     qk_l2_norm: bool = False,
     num_experts: int | None = None,
     moe_grouped_gemm: bool = False,
+    multi_latent_attention: bool = False,
     options: CPAttentionOptions | None = None,
+    **local_spec_kwargs: Any,
 ) -> ModuleSpec:
     """``ModuleSpec`` of a GPT ``TransformerLayer`` with CP attention (local, non-TE modules).
 
-    Args mirror ``get_gpt_layer_local_spec``; ``options`` carries what Megatron's config
-    lacks (THD load balance, attention backend, chunk size).
+    Args are ``get_gpt_layer_local_spec``'s (any other of its arguments may be passed by
+    keyword; Kitchen is refused); ``options`` carries what Megatron's config lacks (THD load
+    balance, attention backend, chunk size). ``multi_latent_attention=True`` builds Megatron's
+    MLA as :class:`~.mla.CPMLASelfAttention`.
     """
-    base = get_gpt_layer_local_spec(
-        num_experts=num_experts,
-        moe_grouped_gemm=moe_grouped_gemm,
-        qk_layernorm=qk_layernorm,
-        normalization=normalization,
-        qk_l2_norm=qk_l2_norm,
+    base = _local_spec(
+        dict(
+            num_experts=num_experts,
+            moe_grouped_gemm=moe_grouped_gemm,
+            qk_layernorm=qk_layernorm,
+            multi_latent_attention=multi_latent_attention,
+            normalization=normalization,
+            qk_l2_norm=qk_l2_norm,
+            **local_spec_kwargs,
+        )
     )
     attn = base.submodules.self_attention
-    core = functools.partial(CPCoreAttention, options=options or CPAttentionOptions())
+    cp_module = _CP_ATTENTION.get(attn.module)
+    if cp_module is None:  # pragma: no cover - a future megatron-core attention class
+        raise ValueError(f"no CP variant of {attn.module.__name__}; this megatron-core is untested")
+    opts = options or CPAttentionOptions()
+    # SelfAttention calls its core_attention entry; MLA passes it through build_module.
+    if cp_module is CPMLASelfAttention:
+        core: Any = ModuleSpec(module=CPCoreAttention, params={"options": opts})
+    else:
+        core = functools.partial(CPCoreAttention, options=opts)
     self_attention = ModuleSpec(
-        module=CPSelfAttention,
+        module=cp_module,
         params=dict(attn.params),
         submodules=dataclasses.replace(attn.submodules, core_attention=core),
     )
@@ -178,13 +239,21 @@ def cp_layer_spec(
 ) -> ModuleSpec:
     """``transformer_layer_spec`` callable for NeMo-style configs: ``spec = fn(config)``.
 
-    Reads the layer-shape fields from the config (as NeMo's own local spec function does);
-    bind ``options`` with a partial (what :func:`megatron_cp_ext.nemo.apply_cp` does).
+    Reads every config field Megatron's local spec has an argument for (``_CONFIG_FIELD``)
+    and refuses Kitchen; bind ``options`` with a partial (what
+    :func:`megatron_cp_ext.nemo.apply_cp` does).
     """
-    return get_gpt_layer_cp_spec(
-        qk_layernorm=bool(getattr(config, "qk_layernorm", False)),
-        normalization=getattr(config, "normalization", None),
-        num_experts=getattr(config, "num_moe_experts", None),
-        moe_grouped_gemm=bool(getattr(config, "moe_grouped_gemm", False)),
-        options=options,
-    )
+    freq = getattr(config, "moe_layer_freq", 1)
+    if getattr(config, "num_moe_experts", None) and freq != 1 and (not isinstance(freq, list) or 0 in freq):
+        raise ValueError(
+            f"cp_layer_spec builds one layer spec for every layer; moe_layer_freq={freq!r} mixes dense and MoE "
+            "layers. Use moe_layer_freq=1, or build per-layer specs with get_gpt_layer_cp_spec(num_experts=...)"
+        )
+    accepted = inspect.signature(get_gpt_layer_local_spec).parameters
+    kwargs = {
+        arg: getattr(config, field, accepted[arg].default) for arg, field in _CONFIG_FIELD.items() if arg in accepted
+    }
+    for arg in REFUSED_LOCAL_SPEC_ARGS:
+        if arg in accepted:
+            kwargs[arg] = bool(getattr(config, arg, False))
+    return get_gpt_layer_cp_spec(options=options, **kwargs)

@@ -145,12 +145,12 @@ def _batch(total: int, **extra):
 )
 def test_thd_batch_split_validates_every_tensor(batch, cu, err, names):
     with pytest.raises(err, match=names):
-        megatron_batch.get_batch_on_this_cp_rank(batch, cu, cp_group=None)
+        megatron_batch.shard_batch_for_cp(batch, cu_seqlens=cu, cp_group=None)
 
 
 def test_thd_batch_split_keeps_unrelated_entries():
     batch = _batch(12, cu_seqlens=torch.tensor(CU), max_seqlen=torch.tensor(7), attention_mask=torch.ones(1))
-    out = megatron_batch.get_batch_on_this_cp_rank(batch, CU, cp_group=None)
+    out = megatron_batch.shard_batch_for_cp(batch, cu_seqlens=CU, cp_group=None)
     assert out["cu_seqlens"] is batch["cu_seqlens"] and out["max_seqlen"] is batch["max_seqlen"]
     assert out["attention_mask"] is None and out["tokens"].shape == (1, 12)
 
@@ -167,7 +167,7 @@ def test_plain_packed_seq_params_with_float_cu_seqlens_refused():
 def test_bshd_batch_split_needs_one_sequence_length():
     batch = {"tokens": torch.zeros(2, 8), "labels": torch.zeros(2, 7)}
     with pytest.raises(VE, match="labels"):
-        megatron_batch.get_batch_on_this_cp_rank(batch, cp_group=None)
+        megatron_batch.shard_batch_for_cp(batch, cp_group=None)
 
 
 def test_attention_options_are_strict_and_flag_sets_check():

@@ -4,7 +4,9 @@ attention against the dense fp64 reference, construction-time errors, spec and a
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
+import inspect
 import math
 
 import pytest
@@ -14,6 +16,7 @@ pytest.importorskip("megatron.core")
 
 from megatron.core.process_groups_config import ProcessGroupCollection  # noqa: E402
 from megatron.core.transformer.enums import AttnMaskType  # noqa: E402
+from megatron.core.transformer.spec_utils import ModuleSpec  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 
 from megatron_cp_ext.megatron import (  # noqa: E402
@@ -23,8 +26,8 @@ from megatron_cp_ext.megatron import (  # noqa: E402
     add_arguments,
     add_megatron_cp_arguments,
     cp_attention_options_from_args,
-    get_batch_on_this_cp_rank,
     get_gpt_layer_cp_spec,
+    shard_batch_for_cp,
 )
 from megatron_cp_ext.megatron.batch import zigzag_positions  # noqa: E402
 from megatron_cp_ext.megatron.core_attention import resolve_cp_comm_type  # noqa: E402
@@ -55,6 +58,13 @@ def test_rope_table_is_the_standard_formula_on_cpu() -> None:
     assert "inv_freq" not in rope.state_dict()  # recomputed, never checkpointed
 
 
+def test_old_batch_name_points_to_the_new_one() -> None:
+    with pytest.raises(ImportError, match="shard_batch_for_cp"):
+        from megatron_cp_ext.megatron import get_batch_on_this_cp_rank  # noqa: F401
+    with pytest.raises(TypeError):
+        shard_batch_for_cp({}, torch.tensor([0, 3]))  # keyword-only: no positional cu_seqlens
+
+
 def test_zigzag_positions_match_megatron_split() -> None:
     assert zigzag_positions(8, 2, 0).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
     assert zigzag_positions(8, 2, 1).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
@@ -66,7 +76,7 @@ def test_zigzag_positions_match_megatron_split() -> None:
 def test_thd_batch_at_cp1_gets_true_positions_and_params() -> None:
     cu = torch.tensor([0, 3, 8])
     batch = {"tokens": torch.arange(8)[None], "labels": torch.arange(8)[None], "attention_mask": torch.ones(1)}
-    out = get_batch_on_this_cp_rank(batch, cu, cp_group=None)
+    out = shard_batch_for_cp(batch, cu_seqlens=cu, cp_group=None)
     assert out["position_ids"].tolist() == [[0, 1, 2, 0, 1, 2, 3, 4]]
     assert out["tokens"].tolist() == batch["tokens"].tolist() and out["attention_mask"] is None
     params = out["packed_seq_params"]
@@ -153,23 +163,138 @@ def test_options_and_comm_type_resolution() -> None:
         resolve_cp_comm_type(None, cfg, 3)
 
 
+def _structure(obj, swap: dict):
+    """A comparable picture of a spec: ModuleSpecs, submodule dataclasses and
+    ``functools.partial`` (megatron-core >= 0.18 builds MLPs as partials, which compare by
+    identity) unwrapped into their parts, classes mapped through ``swap``."""
+    if isinstance(obj, functools.partial):
+        kw = {k: _structure(v, swap) for k, v in sorted(obj.keywords.items())}
+        return ("partial", _structure(obj.func, swap), tuple(_structure(a, swap) for a in obj.args), kw)
+    if isinstance(obj, ModuleSpec):
+        params = {k: _structure(v, swap) for k, v in sorted(obj.params.items())}
+        return ("spec", _structure(obj.module, swap), params, _structure(obj.submodules, swap))
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        fields = {f.name: _structure(getattr(obj, f.name), swap) for f in dataclasses.fields(obj)}
+        return (type(obj), fields)
+    if isinstance(obj, dict):
+        return {k: _structure(v, swap) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return tuple(_structure(v, swap) for v in obj)
+    if isinstance(obj, type):
+        return swap.get(obj, obj)
+    return obj
+
+
+def _without_core(spec: ModuleSpec) -> tuple[ModuleSpec, object]:
+    """(spec with its core-attention entry blanked, that entry)."""
+    attn = spec.submodules.self_attention
+    core = attn.submodules.core_attention
+    attn = dataclasses.replace(attn, submodules=dataclasses.replace(attn.submodules, core_attention=None))
+    return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, self_attention=attn)), core
+
+
+def _assert_same_layer_as_megatron(ours: ModuleSpec, theirs: ModuleSpec) -> None:
+    """Ours == Megatron's local spec except the three swapped classes and the core attention."""
+    from megatron.core.transformer.attention import SelfAttention
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    from megatron_cp_ext.megatron import CPSelfAttention, CPTransformerLayer
+    from megatron_cp_ext.megatron.mla import CPMLASelfAttention
+
+    swap = {CPTransformerLayer: TransformerLayer, CPSelfAttention: SelfAttention, CPMLASelfAttention: MLASelfAttention}
+    (ours_rest, core), (theirs_rest, _) = _without_core(ours), _without_core(theirs)
+    assert ours.module is CPTransformerLayer
+    assert getattr(core, "func", getattr(core, "module", None)) is CPCoreAttention
+    assert _structure(ours_rest, swap) == _structure(theirs_rest, {})
+
+
 def test_spec_swaps_exactly_attention_and_layer() -> None:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from megatron_cp_ext.megatron import CPSelfAttention, CPTransformerLayer
-
     ours, theirs = get_gpt_layer_cp_spec(qk_layernorm=True), get_gpt_layer_local_spec(qk_layernorm=True)
-    assert ours.module is CPTransformerLayer and ours.submodules.self_attention.module is CPSelfAttention
-    a, b = ours.submodules.self_attention.submodules, theirs.submodules.self_attention.submodules
-    assert a.core_attention.func is CPCoreAttention
-    assert (a.linear_qkv, a.linear_proj, a.q_layernorm) == (b.linear_qkv, b.linear_proj, b.q_layernorm)
+    _assert_same_layer_as_megatron(ours, theirs)
+    assert ours.submodules.self_attention.module.__name__ == "CPSelfAttention"
+    # The comparison sees through partials: a different MLP must not compare equal.
+    other = get_gpt_layer_local_spec(qk_layernorm=True, num_experts=2)
+    with pytest.raises(AssertionError):
+        _assert_same_layer_as_megatron(ours, other)
 
-    # megatron-core >= 0.18 builds the MLP entry as a functools.partial, which compares by identity:
-    # compare what it calls and with which arguments.
-    def calls(m):
-        return (m.func, m.args, m.keywords) if isinstance(m, functools.partial) else m
 
-    assert calls(ours.submodules.mlp) == calls(theirs.submodules.mlp)
+# Config settings per local-spec argument; Megatron's own config -> block spec path builds
+# the reference layer. MoE with grouped GEMM needs its kernels only at build time.
+_SETTINGS = {
+    "num_experts": [{"num_moe_experts": 4}],
+    "moe_grouped_gemm": [{"num_moe_experts": 4, "moe_grouped_gemm": True}],
+    "qk_layernorm": [{"qk_layernorm": True}, {"qk_layernorm": True, "multi_latent_attention": True}],
+    "multi_latent_attention": [{"multi_latent_attention": True}],
+    "normalization": [{"normalization": "RMSNorm"}, {"normalization": "RMSNorm", "multi_latent_attention": True}],
+    "qk_l2_norm": [{"qk_l2_norm": True}],
+    "moe_use_legacy_grouped_gemm": [
+        {"num_moe_experts": 4, "moe_grouped_gemm": True, "moe_use_legacy_grouped_gemm": True}
+    ],
+}
+
+
+def _local_spec_args() -> list[str]:
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return list(inspect.signature(get_gpt_layer_local_spec).parameters)
+
+
+def test_every_local_spec_argument_is_honoured_or_refused() -> None:
+    """A new argument of Megatron's local spec fails here until it is mapped or refused."""
+    from megatron_cp_ext.megatron import spec
+
+    known = set(spec._CONFIG_FIELD) | set(spec.REFUSED_LOCAL_SPEC_ARGS) | set(spec.IGNORED_LOCAL_SPEC_ARGS)
+    assert not set(_local_spec_args()) - known, "map to a config field, refuse, or justify ignoring"
+    assert set(_SETTINGS) == set(spec._CONFIG_FIELD), "every honoured argument needs a setting below"
+
+
+@pytest.mark.parametrize(
+    "arg,setting", [(a, s) for a, settings in _SETTINGS.items() for s in settings], ids=lambda v: str(v)
+)
+def test_cp_layer_spec_builds_megatrons_layer_for_each_config_field(arg: str, setting: dict) -> None:
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    from megatron_cp_ext.megatron import cp_layer_spec
+    from megatron_cp_ext.megatron.spec import _CONFIG_FIELD
+
+    if arg not in _local_spec_args():
+        pytest.skip(f"this megatron-core's local spec has no {arg}")
+    field = _CONFIG_FIELD[arg]
+    if not hasattr(TransformerConfig, field):
+        pytest.skip(f"this megatron-core's config has no {field}")
+    setting = dict(setting)
+    cls = MLATransformerConfig if setting.pop("multi_latent_attention", False) else TransformerConfig
+    cfg = cls(num_layers=1, hidden_size=32, num_attention_heads=4, **setting)
+    theirs = get_gpt_decoder_block_spec(
+        cfg, use_transformer_engine=False, normalization=cfg.normalization, qk_l2_norm=cfg.qk_l2_norm, pp_rank=0
+    ).layer_specs[0]
+    _assert_same_layer_as_megatron(cp_layer_spec(cfg), theirs)
+
+
+def test_cp_layer_spec_refuses_mixed_dense_and_moe_layers() -> None:
+    from megatron_cp_ext.megatron import cp_layer_spec
+
+    with pytest.raises(ValueError, match="moe_layer_freq"):
+        cp_layer_spec(config(num_moe_experts=4, moe_layer_freq=2))
+    cp_layer_spec(config(num_moe_experts=4, moe_layer_freq=[1, 1]))  # all MoE: one spec fits
+
+
+@pytest.mark.parametrize("arg", ["use_kitchen", "use_kitchen_attention"])
+def test_refused_local_spec_arguments_name_the_field(arg: str) -> None:
+    from megatron_cp_ext.megatron import cp_layer_spec
+
+    if arg not in _local_spec_args():
+        pytest.skip(f"this megatron-core's local spec has no {arg}")
+    with pytest.raises(ValueError, match=arg):
+        get_gpt_layer_cp_spec(**{arg: True})
+    cfg = config()
+    cfg.__dict__[arg] = True  # set after __post_init__ (Kitchen itself is not installed)
+    with pytest.raises(ValueError, match=arg):
+        cp_layer_spec(cfg)
 
 
 def test_arguments_reuse_megatron_names() -> None:
