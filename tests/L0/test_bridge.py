@@ -174,3 +174,31 @@ def test_yaml_round_trip_keeps_our_spec_and_needs_the_prefix(tmp_path) -> None:
     assert isinstance(spec_fn, functools.partial) and spec_fn.func is bridge.cp_bridge_layer_spec
     assert spec_fn.keywords["load_balance"] == "contiguous" and spec_fn.keywords["chunk_size"] is None
     assert again.model.context_parallel_size == 2 and again.model.cp_comm_type == "all_gather"
+
+
+def test_real_gpt_model_config_of_megatron_training() -> None:
+    """megatron-core 0.19's ``GPTModelConfig`` (one of the model types Bridge's ConfigContainer
+    holds): CP fields land on its ``transformer`` config, the spec is built from the proxy."""
+    _megatron_training_container()
+    try:
+        from megatron.training.models.gpt import GPTModelConfig
+    except ImportError as e:
+        pytest.skip(f"megatron.training.models.gpt not importable (megatron-core < 0.19?): {e}")
+    from megatron_cp_ext.megatron import CPCoreAttention, CPTransformerLayer
+
+    transformer = make_model(num_layers=2)
+    model = GPTModelConfig(
+        transformer=TransformerConfig(
+            **{f.name: getattr(transformer, f.name) for f in dataclasses.fields(TransformerConfig) if f.init}
+        )
+    )
+    config = ConfigContainer(model=model)
+    assert bridge.is_bridge_config(config)
+    bridge.apply_cp(config, context_parallel_size=2, cp_comm_type=["p2p", "a2a"])
+    assert model.transformer.context_parallel_size == 2 and model.transformer.cp_comm_type == ["p2p", "a2a"]
+    spec = model.transformer_layer_spec(model, vp_stage=None)
+    assert spec.module is CPTransformerLayer
+    assert spec.submodules.self_attention.submodules.core_attention.func is CPCoreAttention
+    model.transformer.attention_backend = AttnBackend.local
+    with pytest.raises(ValueError, match="attention_backend"):
+        bridge.apply_cp(config, context_parallel_size=2)
