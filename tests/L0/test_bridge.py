@@ -5,7 +5,7 @@ TransformerEngine unconditionally), so when ``megatron.bridge`` is missing the m
 stand-in with Bridge 0.6.2's field names: ``GPTModelProvider`` is a real megatron-core
 ``TransformerConfig`` subclass with Bridge's ``transformer_layer_spec``, ``seq_length`` and
 ``vocab_size`` fields, held at ``ConfigContainer.model``. The YAML test uses megatron-core's real
-``megatron.training`` config container (0.19+; the ``to_yaml``/``from_yaml`` and target allowlist
+``megatron.training`` config container (0.18+; the ``to_yaml``/``from_yaml`` and target allowlist
 that Bridge's ``ConfigContainer`` inherits), with ``typing.override`` backfilled on Python 3.11.
 When ``megatron.bridge`` imports, the real ``GPTModelProvider`` is used instead.
 """
@@ -134,7 +134,7 @@ def test_dropout_and_shape_checks() -> None:
 
 
 def _megatron_training_container():
-    """megatron-core's real config container (0.19+), importable on Python 3.11 too."""
+    """megatron-core's real config container (0.18+), importable on Python 3.11 too."""
     if not hasattr(typing, "override"):  # Python 3.12 API that megatron.training imports
         typing.override = lambda fn: fn  # type: ignore[attr-defined]
     pytest.importorskip("yaml")
@@ -143,7 +143,7 @@ def _megatron_training_container():
         from megatron.training.config.container import ConfigContainerBase
         from megatron.training.config.instantiate_utils import target_allowlist
     except ImportError as e:
-        pytest.skip(f"megatron.training config container not importable (megatron-core < 0.19?): {e}")
+        pytest.skip(f"megatron.training config container not importable (megatron-core < 0.18?): {e}")
     return ConfigContainerBase, target_allowlist
 
 
@@ -174,3 +174,31 @@ def test_yaml_round_trip_keeps_our_spec_and_needs_the_prefix(tmp_path) -> None:
     assert isinstance(spec_fn, functools.partial) and spec_fn.func is bridge.cp_bridge_layer_spec
     assert spec_fn.keywords["load_balance"] == "contiguous" and spec_fn.keywords["chunk_size"] is None
     assert again.model.context_parallel_size == 2 and again.model.cp_comm_type == "all_gather"
+
+
+def test_real_gpt_model_config_of_megatron_training() -> None:
+    """megatron-core 0.19's ``GPTModelConfig`` (one of the model types Bridge's ConfigContainer
+    holds): CP fields land on its ``transformer`` config, the spec is built from the proxy."""
+    _megatron_training_container()
+    try:
+        from megatron.training.models.gpt import GPTModelConfig
+    except ImportError as e:
+        pytest.skip(f"megatron.training.models.gpt not importable (megatron-core < 0.19?): {e}")
+    from megatron_cp_ext.megatron import CPCoreAttention, CPTransformerLayer
+
+    transformer = make_model(num_layers=2)
+    model = GPTModelConfig(
+        transformer=TransformerConfig(
+            **{f.name: getattr(transformer, f.name) for f in dataclasses.fields(TransformerConfig) if f.init}
+        )
+    )
+    config = ConfigContainer(model=model)
+    assert bridge.is_bridge_config(config)
+    bridge.apply_cp(config, context_parallel_size=2, cp_comm_type=["p2p", "a2a"])
+    assert model.transformer.context_parallel_size == 2 and model.transformer.cp_comm_type == ["p2p", "a2a"]
+    spec = model.transformer_layer_spec(model, vp_stage=None)
+    assert spec.module is CPTransformerLayer
+    assert spec.submodules.self_attention.submodules.core_attention.func is CPCoreAttention
+    model.transformer.attention_backend = AttnBackend.local
+    with pytest.raises(ValueError, match="attention_backend"):
+        bridge.apply_cp(config, context_parallel_size=2)
