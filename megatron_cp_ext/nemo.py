@@ -33,7 +33,7 @@ FIELDS = (
 )
 """Dotted paths of every field :func:`apply_cp` writes."""
 
-_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
+_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p", "auto")  # auto: the planner picks per micro-batch
 
 
 def _locate(recipe: Any) -> tuple[Any, Any]:

@@ -99,12 +99,12 @@ def test_built_recipe_yields_our_layer_spec() -> None:
 
     recipe = make_recipe()
     apply_cp(
-        recipe, context_parallel_size=2, cp_comm_type=["p2p", "all_gather", "a2a", "p2p"], load_balance="contiguous"
+        recipe, context_parallel_size=2, cp_comm_type=["p2p", "all_gather", "a2a", "auto"], load_balance="contiguous"
     )
     model, trainer = fdl.build(recipe)()
     assert trainer.strategy.context_parallel_size == 2
     config = model.config
-    assert config.cp_comm_type == ["p2p", "all_gather", "a2a", "p2p"]
+    assert config.cp_comm_type == ["p2p", "all_gather", "a2a", "auto"]
     for spec in (config.transformer_layer_spec(config), config.transformer_layer_spec(config, vp_stage=0)):
         assert spec.module is CPTransformerLayer
         attn = spec.submodules.self_attention
