@@ -4,7 +4,7 @@
 
 First a microbenchmark calibrates the ``cpu-gloo`` profile on this machine, with every rank
 busy at once as in the real runs: forward and backward attention throughput over the tile
-area of one long causal call, the fixed cost of a tiny call, and gloo's pairwise bandwidth
+area its reference kernel visits in one long causal call, the fixed cost of a tiny call, and gloo's pairwise bandwidth
 and latency. Then, per case, every comm type runs forward + backward (best of the
 iterations, slowest rank) and the table prints predicted vs measured time and rank, and
 whether the predicted winner and the whole order agree. Cases: ``compute-bound`` (long
@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 import megatron_cp_ext as mcx
 from megatron_cp_ext.inspect import inspect_plan
-from megatron_cp_ext.plan.cost import call_flops, predict
+from megatron_cp_ext.plan.cost import call_area, call_flops, predict
 from megatron_cp_ext.plan.profiles import load_profile
 from megatron_cp_ext.testing.spawn import bench_main
 
@@ -59,8 +59,9 @@ def _calibrate(rank: int, world: int, iters: int):
     out = mcx.cp_attention(q, k, v, cp_group=None, sharding=sh)
     both = _timed(lambda: mcx.cp_attention(q, k, v, cp_group=None, sharding=sh).sum().backward(), iters)
     del out
-    tiles = sum(c.tile_area for c in inspect_plan(sh, "p2p", num_heads=h, num_kv_heads=h, head_dim=d).ranks[0].calls)
-    fl = call_flops(tiles, h, d, d)
+    base = load_profile("cpu-gloo")
+    calls = inspect_plan(sh, "p2p", num_heads=h, num_kv_heads=h, head_dim=d).ranks[0].calls
+    fl = call_flops(sum(call_area(c, base) for c in calls), h, d, d)
     q1, k1, v1 = (torch.randn(1, 1, 8, requires_grad=True) for _ in range(3))
     sh1 = mcx.shard_sequences([0, 1], 1)
     launch = _timed(lambda: mcx.cp_attention(q1, k1, v1, cp_group=None, sharding=sh1).sum().backward(), iters) / 2
@@ -77,7 +78,7 @@ def _calibrate(rank: int, world: int, iters: int):
     lat = _timed(lambda: ping(small), iters * 3)
     bw = big.numel() / max(_timed(lambda: ping(big), iters) - lat, 1e-9)
     return load_profile(
-        "cpu-gloo", fwd_tflops=fl["forward"] / fwd / 1e12, bwd_tflops=fl["backward"] / max(both - fwd, 1e-9) / 1e12,
+        base, fwd_tflops=fl["forward"] / fwd / 1e12, bwd_tflops=fl["backward"] / max(both - fwd, 1e-9) / 1e12,
         launch_us=launch * 1e6, intra_gbps=bw / 1e9, inter_gbps=bw / 1e9, latency_us=lat * 1e6,
     )  # fmt: skip
 

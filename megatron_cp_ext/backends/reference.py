@@ -50,30 +50,42 @@ class _Group(NamedTuple):
     wk: int
 
 
-def _entry_groups(cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, max_k: int) -> list[_Group]:
-    """Runs of consecutive entries sharing one padded batch.
+def _group_bounds(cq: list[int], ck: list[int]) -> list[tuple[int, int, int, int]]:
+    """``(first entry, end entry, Wq, Wk)`` of each run of consecutive entries sharing one
+    padded batch: entries join while the padded area ``E * Wq * Wk`` stays within twice the
+    useful area (plus a small constant), so many tiny entries and a few large ones both stay
+    cheap."""
+    out: list[tuple[int, int, int, int]] = []
+    start, useful, wq, wk = 0, 0, 0, 0
+    for e in range(len(cq) - 1):
+        lq, lk = cq[e + 1] - cq[e], ck[e + 1] - ck[e]
+        nq, nk = max(wq, lq), max(wk, lk)
+        if e > start and (e + 1 - start) * nq * nk > 2 * (useful + lq * lk) + 4096:
+            out.append((start, e, wq, wk))
+            start, useful, nq, nk = e, 0, lq, lk
+        useful += lq * lk
+        wq, wk = nq, nk
+    if len(cq) > 1:
+        out.append((start, len(cq) - 1, wq, wk))
+    return out
 
-    Entries are grouped while the padded area ``E * Wq * Wk`` stays within twice the useful
-    area (plus a small constant), so many tiny entries and a few large ones both stay cheap.
+
+def visited_area(cu_seqlens_q: list[int], cu_seqlens_k: list[int]) -> int:
+    """Score entries per head this backend materialises for one call on CPU (padded
+    rectangles, masked or not): what the cost model prices for the ``reference`` kernel."""
+    return sum((b - a) * wq * wk for a, b, wq, wk in _group_bounds(cu_seqlens_q, cu_seqlens_k))
+
+
+def _entry_groups(cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, max_k: int) -> list[_Group]:
+    """Runs of consecutive entries sharing one padded batch (:func:`_group_bounds`).
+
     Needs host offsets: on CUDA (debug fallback) the call is one group padded to the plan's
     ``max_seqlen`` (host ints), so nothing reads a device value.
     """
     if cu_q.device.type != "cpu":
         return [_Group(0, None, 0, None, cu_q.long(), cu_k.long(), max_q, max_k)]
     cq, ck = cu_q.tolist(), cu_k.tolist()
-    out: list[_Group] = []
-    start, useful, wq, wk = 0, 0, 0, 0
-    for e in range(len(cq) - 1):
-        lq, lk = cq[e + 1] - cq[e], ck[e + 1] - ck[e]
-        nq, nk = max(wq, lq), max(wk, lk)
-        if e > start and (e + 1 - start) * nq * nk > 2 * (useful + lq * lk) + 4096:
-            out.append(_group(cq, ck, start, e, wq, wk))
-            start, useful, nq, nk = e, 0, lq, lk
-        useful += lq * lk
-        wq, wk = nq, nk
-    if len(cq) > 1:
-        out.append(_group(cq, ck, start, len(cq) - 1, wq, wk))
-    return out
+    return [_group(cq, ck, a, b, wq, wk) for a, b, wq, wk in _group_bounds(cq, ck)]
 
 
 def _group(cq: list[int], ck: list[int], a: int, b: int, wq: int, wk: int) -> _Group:

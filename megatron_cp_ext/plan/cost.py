@@ -3,7 +3,8 @@
 A pure host function of :class:`~megatron_cp_ext.inspect.PlanReport` (every rank computes
 the same from the same plan). Per rank and per step:
 
-* compute = FLOPs of the 128x128 tiles its calls visit (forward ``2 (d + dv)`` per score
+* compute = FLOPs of the 128x128 tiles its calls visit (on the ``reference`` kernel of the
+  ``cpu-gloo`` profile: of the padded rectangles that backend materialises) (forward ``2 (d + dv)`` per score
   entry and head, backward ``2 (3d + 2dv)``: five matmuls with the recomputed scores) at the
   profile's throughput, plus ``launch_us`` per call;
 * comm = ``latency_us`` + bytes over the link the step uses: NVLink between CP ranks of one
@@ -21,10 +22,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..inspect import PlanReport, RankReport, StepReport
+from ..backends.reference import visited_area
+from ..inspect import CallReport, PlanReport, RankReport, StepReport
 from .profiles import HardwareProfile
 
-__all__ = ["RankCost", "LayerCost", "predict", "call_flops", "HIDDEN_FRACTION"]
+__all__ = ["RankCost", "LayerCost", "predict", "call_area", "call_flops", "HIDDEN_FRACTION"]
 
 HIDDEN_FRACTION = 0.05
 """Comm counts as hidden when the exposed part is under this fraction of the layer time."""
@@ -37,7 +39,7 @@ class RankCost:
 
     rank: int
     flops: dict[str, float]
-    """FLOPs over the visited tiles of all its calls."""
+    """FLOPs over the area its kernel visits in all its calls (:func:`call_area`)."""
     compute_s: dict[str, float]
     """Kernel time: FLOPs at the profile's throughput plus the launch cost per call."""
     comm_s: dict[str, float]
@@ -94,6 +96,13 @@ def call_flops(tile_area: int, heads: int, head_dim: int, v_head_dim: int) -> di
     return {"forward": per * (head_dim + v_head_dim), "backward": per * (3 * head_dim + 2 * v_head_dim)}
 
 
+def call_area(call: CallReport, prof: HardwareProfile) -> int:
+    """Score entries per head that ``prof``'s kernel computes for ``call``."""
+    if prof.kernel == "flash":
+        return call.tile_area
+    return visited_area(call.cu_seqlens_q, call.cu_seqlens_k)
+
+
 def _link_s(a: int, b: int, nbytes: int, prof: HardwareProfile) -> float:
     same = a // prof.ranks_per_node == b // prof.ranks_per_node
     return nbytes / ((prof.intra_gbps if same else prof.inter_gbps) * 1e9)
@@ -119,7 +128,7 @@ def _rank_cost(rep: PlanReport, r: RankReport, prof: HardwareProfile) -> RankCos
     comp: dict[int, dict[str, float]] = {}
     rate = {"forward": prof.fwd_tflops * 1e12, "backward": prof.bwd_tflops * 1e12}
     for c in r.calls:
-        f = call_flops(c.tile_area, heads, d, dv)
+        f = call_flops(call_area(c, prof), heads, d, dv)
         slot = comp.setdefault(c.step, {p: 0.0 for p in PHASES})
         for p in PHASES:
             flops[p] += f[p]

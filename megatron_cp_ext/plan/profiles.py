@@ -17,7 +17,9 @@ from dataclasses import dataclass
 
 import tomllib
 
-__all__ = ["HardwareProfile", "PROFILES", "load_profile"]
+__all__ = ["HardwareProfile", "PROFILES", "KERNELS", "load_profile"]
+
+KERNELS = ("flash", "reference")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,6 +44,10 @@ class HardwareProfile:
     """CP ranks per node: consecutive CP ranks share a node (divide GPUs per node by TP)."""
     description: str = ""
     """Where the numbers come from."""
+    kernel: str = "flash"
+    """What a call's compute is priced by: ``"flash"``, the 128x128 tiles it visits;
+    ``"reference"``, the padded rectangles the CPU reference backend materialises (masked
+    entries included; ``backends.reference.visited_area``)."""
 
     def __post_init__(self) -> None:
         for f in ("fwd_tflops", "bwd_tflops", "intra_gbps", "inter_gbps"):
@@ -50,6 +56,8 @@ class HardwareProfile:
         for f in ("launch_us", "latency_us"):
             if not getattr(self, f) >= 0:
                 raise ValueError(f"profile {self.name!r}: {f} must be >= 0, got {getattr(self, f)!r}")
+        if self.kernel not in KERNELS:
+            raise ValueError(f"profile {self.name!r}: kernel must be one of {KERNELS}, got {self.kernel!r}")
         rpn = self.ranks_per_node
         if isinstance(rpn, bool) or not isinstance(rpn, int) or rpn < 1:
             raise ValueError(f"profile {self.name!r}: ranks_per_node must be a positive int, got {rpn!r}")
@@ -76,7 +84,7 @@ PROFILES: dict[str, HardwareProfile] = {
         ),
         HardwareProfile(
             name="cpu-gloo", fwd_tflops=0.01, bwd_tflops=0.006, launch_us=150.0, intra_gbps=1.0,
-            inter_gbps=1.0, latency_us=100.0, ranks_per_node=1 << 20,
+            inter_gbps=1.0, latency_us=100.0, ranks_per_node=1 << 20, kernel="reference",
             description="one CPU thread per rank over gloo on one host; rough defaults, calibrate per machine",
         ),
     )

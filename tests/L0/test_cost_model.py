@@ -131,3 +131,32 @@ def test_megatron_accepts_auto():
 
     args = add_megatron_cp_arguments(argparse.ArgumentParser()).parse_args(["--cp-comm-type", "auto"])
     assert args.cp_comm_type == ["auto"]
+
+
+def test_reference_kernel_priced_by_its_padded_rectangles(monkeypatch):
+    """cpu-gloo prices each call by the padded score rectangles the reference backend builds:
+    count them by recording the shapes its forward actually materialises."""
+    from megatron_cp_ext.backends import reference
+    from megatron_cp_ext.plan.cost import call_area
+
+    seen = []
+    real = reference._probs
+
+    def spy(qh, kh, vis, scale, lse=None):
+        seen.append(vis.numel())  # [E, Wq, Wk]: the padded rectangles of one head
+        return real(qh, kh, vis, scale, lse)
+
+    monkeypatch.setattr(reference, "_probs", spy)
+    prof = PROFILES["cpu-gloo"]
+    assert prof.kernel == "reference"
+    for cu_q, cu_k in (([0, 300, 307, 1307], [0, 300, 307, 1307]), ([0, 5, 9, 2000], [0, 500, 509, 2100])):
+        call = CallReport(0, cu_q, cu_k, True, (-1, 0), 0, 1, 1)
+        seen.clear()
+        q = torch.randn(cu_q[-1], 1, 4)
+        k = torch.randn(cu_k[-1], 1, 4)
+        reference.attn_fwd(q, k, k, torch.tensor(cu_q, dtype=torch.int32), torch.tensor(cu_k, dtype=torch.int32),
+                           max(np.diff(cu_q)), max(np.diff(cu_k)), True, (-1, 0), 0.5)  # fmt: skip
+        assert call_area(call, prof) == sum(seen) == reference.visited_area(cu_q, cu_k)
+        assert call_area(call, PROFILES["h100"]) == 1  # flash: the reported tile area
+    with pytest.raises(ValueError, match="kernel"):
+        load_profile("h100", kernel="dense")
