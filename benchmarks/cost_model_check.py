@@ -8,8 +8,9 @@ area its reference kernel visits in one long causal call, the fixed cost of a ti
 and latency. Then, per case, every comm type runs forward + backward (best of the
 iterations, slowest rank) and the table prints predicted vs measured time and rank, and
 whether the predicted winner and the whole order agree. Cases: ``compute-bound`` (long
-documents, many query heads per KV head) and ``comm-bound`` (short documents cut across
-ranks, as many KV heads as query heads, small head dim: bytes and messages dominate).
+documents, many query heads per KV head), ``comm-bound`` (8-token documents cut across ranks,
+8 KV heads of dim 128: bytes dominate) and ``overhead-bound`` (short documents, tiny heads:
+per-step host work dominates, which the model does not price).
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from megatron_cp_ext.testing.spawn import bench_main
 COMMS = [("p2p", None), ("all_gather", None), ("a2a", None), ("a2a+p2p", 2)]
 CASES = {  # name: (seqlens, balance, hq, hkv, d)
     "compute-bound": ([2048, 1024, 1024], "workload", 8, 1, 64),
-    "comm-bound": ([256] * 16, "dualchunk", 2, 2, 16),
+    "comm-bound": ([8] * 512, "dualchunk", 8, 8, 128),
+    "overhead-bound": ([256] * 16, "dualchunk", 2, 2, 16),
 }
 
 
@@ -124,7 +126,8 @@ def _bench(rank: int, world: int, args: argparse.Namespace) -> None:
                 f"| {name} | {comm} | {pred[comm] * 1e3:.1f} | {po.index(comm) + 1} "
                 f"| {measured[comm] * 1e3:.1f} | {mo.index(comm) + 1} |"
             )
-        verdict = "agree" if po[0] == mo[0] else "DISAGREE"
+        slower = measured[po[0]] / measured[mo[0]] - 1
+        verdict = "agree" if po[0] == mo[0] else f"DISAGREE, predicted winner measured {slower:.0%} slower"
         agree.append(f"{name}: predicted winner {po[0]}, measured {mo[0]} ({verdict}); order "
                      f"{'agrees' if po == mo else 'differs'}")  # fmt: skip
     if rank == 0:
