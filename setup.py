@@ -24,7 +24,7 @@ setup(
     python_requires=">=3.10",
     install_requires=["torch>=2.6", "einops", "numpy"],
     extras_require={
-        "test": ["pytest>=7", "ruff"],
+        "test": ["pytest>=7", "ruff", "matplotlib"],  # matplotlib: the planner's --plot test
         # tested: 0.16.1 (Python 3.10+), 0.17.1, 0.18.2, 0.19.2 (these declare Python >= 3.12)
         "megatron": ["megatron-core>=0.16.1,<0.20"],
         # nemo_run 0.11.1 fails to import with newer leptonai releases
