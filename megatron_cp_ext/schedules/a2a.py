@@ -79,15 +79,30 @@ def group_union(sharding: CPSharding, members: range) -> tuple[np.ndarray, np.nd
 
 
 def build_plan(sharding: CPSharding, a2a_size: int, cp_rank: int, mask: MaskSpec) -> A2APlan:
-    """Plan for CP rank ``cp_rank`` = ``p2p_rank * a2a_size + a2a_rank``."""
-    groups = sharding.cp_size // a2a_size
-    unions = [group_union(sharding, range(g * a2a_size, (g + 1) * a2a_size)) for g in range(groups)]
+    """Plan for CP rank ``cp_rank`` = ``p2p_rank * a2a_size + a2a_rank``.
+
+    The members of one a2a group share everything but their member index (the same tokens in
+    the same order, the same ring across groups), so the group's part is built once per
+    sharding and reused: planning every rank (``inspect_plan``, ``comm_type="auto"``) stays
+    O(cp) instead of repeating each group's O(cp) union for every member.
+    """
     me = cp_rank // a2a_size
-    _, perm, counts = unions[me]
-    perm_t = torch.from_numpy(perm.astype(np.int64))
-    inv = torch.empty_like(perm_t)
-    inv[perm_t] = torch.arange(perm_t.numel())
-    return A2APlan(counts, perm_t, inv, p2p.build_plan([u[0] for u in unions], me, mask), cp_rank % a2a_size)
+    key = ("a2a-group", a2a_size, me, mask)
+    group = sharding._plans.get(key)
+    if group is None:
+        ukey = ("a2a-unions", a2a_size)
+        unions = sharding._plans.get(ukey)
+        if unions is None:
+            groups = sharding.cp_size // a2a_size
+            unions = [group_union(sharding, range(g * a2a_size, (g + 1) * a2a_size)) for g in range(groups)]
+            sharding._plans[ukey] = unions
+        _, perm, counts = unions[me]
+        perm_t = torch.from_numpy(perm.astype(np.int64))
+        inv = torch.empty_like(perm_t)
+        inv[perm_t] = torch.arange(perm_t.numel())
+        group = sharding._plans[key] = (counts, perm_t, inv, p2p.build_plan([u[0] for u in unions], me, mask))
+    counts, perm_t, inv, ring = group
+    return A2APlan(counts, perm_t, inv, ring, cp_rank % a2a_size)
 
 
 class _A2AAttention(torch.autograd.Function):
