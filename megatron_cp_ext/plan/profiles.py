@@ -1,11 +1,13 @@
 """Hardware profiles for the cost model: kernel throughput, launch overhead and link speeds.
 
-The named GPU profiles are derived from datasheets, not measured here: dense bf16 tensor-core
-peak times a flash-attention efficiency (about half of peak forward, less backward), NVLink
-bandwidth per direction inside a node and one InfiniBand NIC per GPU across nodes. No GPU
-benchmark results are committed to calibrate them; ``cpu-gloo`` is the profile the gloo
-validation benchmark calibrates with a microbenchmark in the same run. A user file (JSON or
-TOML) with the same keys overrides a named profile (``base``) or defines one from scratch.
+The named GPU profiles are derived from datasheets: dense bf16 tensor-core peak times a
+flash-attention efficiency (about half of peak forward, less backward), NVLink bandwidth per
+direction inside a node and one InfiniBand NIC per GPU across nodes. When
+``plan/calibration.json`` (written by ``benchmarks/kernel_throughput.py`` on a GPU) holds an
+entry for a profile, its kernel constants are the measured ones. ``cpu-gloo`` is the profile
+the gloo validation benchmark calibrates with a microbenchmark in the same run. A user file
+(JSON or TOML) with the same keys overrides a named profile (``base``) or defines one from
+scratch.
 """
 
 from __future__ import annotations
@@ -89,11 +91,26 @@ PROFILES: dict[str, HardwareProfile] = {
         ),
     )
 }  # fmt: skip
-PROFILES["h100"], PROFILES["h200"], PROFILES["a100"] = (
-    PROFILES["h100-nvlink-ib400"],
-    PROFILES["h200-nvlink-ib400"],
-    PROFILES["a100-nvlink-ib200"],
-)
+CALIBRATION = os.path.join(os.path.dirname(os.path.abspath(__file__)), "calibration.json")
+"""Measured kernel constants per named profile, written by ``benchmarks/kernel_throughput.py``
+on a GPU (``{"h100-nvlink-ib400": {"fwd_tflops": ..., "bwd_tflops": ..., "launch_us": ...,
+"source": "..."}}``). When it holds an entry for a named profile, that profile's kernel
+constants are the measured ones; its links stay datasheet values."""
+
+
+def _calibrated(profiles: dict[str, HardwareProfile], path: str = CALIBRATION) -> dict[str, HardwareProfile]:
+    if not os.path.isfile(path):
+        return profiles
+    data = _read(path)
+    out = dict(profiles)
+    for name, entry in data.items():
+        if name not in profiles:
+            raise ValueError(f"calibration file {path}: unknown profile {name!r} (known: {', '.join(profiles)})")
+        fields = {k: float(entry[k]) for k in ("fwd_tflops", "bwd_tflops", "launch_us") if k in entry}
+        source = entry.get("source", "measured")
+        desc = profiles[name].description.replace(_DATASHEET, f"links {_DATASHEET}; kernels measured: {source}")
+        out[name] = dataclasses.replace(profiles[name], **fields, description=desc)
+    return out
 
 
 def _read(path: str) -> dict:
@@ -133,3 +150,11 @@ def load_profile(spec: str | HardwareProfile, **overrides) -> HardwareProfile:
     else:
         raise ValueError(f"unknown profile {spec!r}: a name ({', '.join(PROFILES)}) or a JSON/TOML file")
     return dataclasses.replace(prof, **overrides) if overrides else prof
+
+
+PROFILES.update(_calibrated(PROFILES))
+PROFILES["h100"], PROFILES["h200"], PROFILES["a100"] = (
+    PROFILES["h100-nvlink-ib400"],
+    PROFILES["h200-nvlink-ib400"],
+    PROFILES["a100-nvlink-ib200"],
+)

@@ -160,3 +160,22 @@ def test_reference_kernel_priced_by_its_padded_rectangles(monkeypatch):
         assert call_area(call, PROFILES["h100"]) == 1  # flash: the reported tile area
     with pytest.raises(ValueError, match="kernel"):
         load_profile("h100", kernel="dense")
+
+
+def test_calibration_file_replaces_kernel_constants(tmp_path):
+    """Measured kernel constants (benchmarks/kernel_throughput.py) replace a named profile's
+    datasheet ones; links stay; unknown profile names are refused."""
+    from megatron_cp_ext.plan.profiles import _calibrated
+
+    path = tmp_path / "calibration.json"
+    path.write_text(json.dumps({"h100-nvlink-ib400": {"fwd_tflops": 321.5, "bwd_tflops": 210.0, "launch_us": 12.0,
+                                                      "source": "a test"}}))  # fmt: skip
+    out = _calibrated(PROFILES, str(path))
+    h = out["h100-nvlink-ib400"]
+    assert (h.fwd_tflops, h.bwd_tflops, h.launch_us) == (321.5, 210.0, 12.0)
+    assert h.intra_gbps == PROFILES["h100-nvlink-ib400"].intra_gbps and "a test" in h.description
+    assert out["a100-nvlink-ib200"] == PROFILES["a100-nvlink-ib200"]
+    assert _calibrated(PROFILES, str(tmp_path / "absent.json")) is PROFILES
+    path.write_text(json.dumps({"b200": {"fwd_tflops": 1.0}}))
+    with pytest.raises(ValueError, match="unknown profile 'b200'"):
+        _calibrated(PROFILES, str(path))
