@@ -10,7 +10,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-__all__ = ["setup_parallel_state", "cp_vs_cp1_errors"]
+__all__ = ["setup_parallel_state", "cp_vs_cp1_errors", "token_batches", "model_vs_cp1_errors"]
 
 
 def setup_parallel_state(cp: int, hcp_sizes: tuple[int, ...] | None = None) -> None:
@@ -63,4 +63,51 @@ def cp_vs_cp1_errors(
         if group is not None:
             dist.all_reduce(g, group=group)
         errs[name] = (g - g_ref).abs().max().item()
+    return errs
+
+
+def token_batches(rank: int, world: int, group, fmt: str, *, lengths: list[int], shape: tuple[int, int], vocab: int):
+    """``(full, local, index)``: a random token batch for a CP-1 twin, this rank's CP shard of
+    it (``shard_batch_for_cp``) and the global token positions of the shard's rows.
+
+    ``fmt="thd"``: one packed row of documents ``lengths`` (cut by the default balance);
+    otherwise a ``shape = (seq, batch)`` sbhd batch split in Megatron's dual-chunk order.
+    """
+    from megatron_cp_ext.megatron import make_packed_seq_params, shard_batch_for_cp
+    from megatron_cp_ext.megatron.batch import zigzag_positions
+
+    gen = torch.Generator().manual_seed(3)
+    if fmt == "thd":
+        cu = torch.tensor([0, *lengths]).cumsum(0)
+        tokens = torch.randint(0, vocab, (1, int(cu[-1])), generator=gen)
+        psp = make_packed_seq_params(cu)  # CP size 1 for the twin
+        full = {"tokens": tokens, "position_ids": psp._mcx_cp_context.positions("cpu")[None], "packed_seq_params": psp}
+        local = shard_batch_for_cp({"tokens": tokens}, cu_seqlens=cu, cp_group=group)
+        return full, local, local["packed_seq_params"]._mcx_cp_context.sharding.global_index(rank)
+    s, b = shape
+    tokens = torch.randint(0, vocab, (b, s), generator=gen)
+    full = {"tokens": tokens, "position_ids": torch.arange(s).expand(b, s), "packed_seq_params": None}
+    local = {**shard_batch_for_cp({k: full[k] for k in ("tokens", "position_ids")}, cp_group=group)}
+    local["packed_seq_params"] = None
+    return full, local, zigzag_positions(s // world, world, rank)
+
+
+def model_vs_cp1_errors(model, ref, full: dict, local: dict, index, group, diff: Callable) -> dict[str, float]:
+    """``diff(cp, twin)`` of a language model's logits on its shard and of every parameter
+    gradient (summed over ``group``) against its CP-1 twin run on the whole batch."""
+
+    def run(module, batch):
+        return module(batch["tokens"], batch["position_ids"], None, packed_seq_params=batch["packed_seq_params"])
+
+    y_ref = run(ref, full)
+    w = torch.randn(y_ref.shape, generator=torch.Generator().manual_seed(4))
+    (y_ref * w).sum().backward()
+    y = run(model, local)
+    (y * w[:, index]).sum().backward()
+    errs = {"logits": diff(y, y_ref[:, index])}
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        g = p.grad.clone()
+        dist.all_reduce(g, group=group)
+        errs[name] = diff(g, ref_params[name].grad)
     return errs

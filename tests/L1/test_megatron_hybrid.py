@@ -56,13 +56,10 @@ def _model(cp: int, comm: str, pg_collection=None):
 
 def hybrid_case(rank: int, world: int, fmt: str, comm: str) -> dict:
     """Worker: max |CP - CP1| over logits and every parameter gradient."""
-    import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    from megatron_cp_ext.megatron import make_packed_seq_params, shard_batch_for_cp
-    from megatron_cp_ext.megatron.batch import zigzag_positions
-    from megatron_cp_ext.testing.megatron import setup_parallel_state
+    from megatron_cp_ext.testing.megatron import model_vs_cp1_errors, setup_parallel_state, token_batches
 
     setup_parallel_state(world)
     group = parallel_state.get_context_parallel_group()
@@ -71,38 +68,8 @@ def hybrid_case(rank: int, world: int, fmt: str, comm: str) -> dict:
     pgs.cp = None
     ref = _model(1, comm, pgs)
     ref.load_state_dict(model.state_dict())
-    gen = torch.Generator().manual_seed(3)
-    if fmt == "thd":
-        cu = torch.tensor([0] + LENGTHS).cumsum(0)
-        tokens = torch.randint(0, VOCAB, (1, int(cu[-1])), generator=gen)
-        psp = make_packed_seq_params(cu)  # CP size 1 (shard_batch_for_cp defaults to Megatron's group)
-        pos = psp._mcx_cp_context.positions("cpu")[None]
-        full = {"tokens": tokens, "position_ids": pos, "packed_seq_params": psp}
-        local = shard_batch_for_cp({"tokens": tokens}, cu_seqlens=cu, cp_group=group)
-        idx = local["packed_seq_params"]._mcx_cp_context.sharding.global_index(rank)
-    else:
-        tokens = torch.randint(0, VOCAB, (2, 16), generator=gen)
-        pos = torch.arange(16).expand(2, 16)
-        full = {"tokens": tokens, "position_ids": pos, "packed_seq_params": None}
-        local = shard_batch_for_cp({"tokens": tokens, "position_ids": pos}, cp_group=group)
-        local["packed_seq_params"] = None
-        idx = zigzag_positions(16 // world, world, rank)
-
-    def run(module, batch):
-        return module(batch["tokens"], batch["position_ids"], None, packed_seq_params=batch["packed_seq_params"])
-
-    y_ref = run(ref, full)
-    w = torch.randn(y_ref.shape, generator=torch.Generator().manual_seed(4))
-    (y_ref * w).sum().backward()
-    y = run(model, local)
-    (y * w[:, idx]).sum().backward()
-    errs = {"logits": (y - y_ref[:, idx]).abs().max().item()}
-    ref_params = dict(ref.named_parameters())
-    for name, p in model.named_parameters():
-        g = p.grad.clone()
-        dist.all_reduce(g, group=group)
-        errs[name] = (g - ref_params[name].grad).abs().max().item()
-    return errs
+    full, local, idx = token_batches(rank, world, group, fmt, lengths=LENGTHS, shape=(16, 2), vocab=VOCAB)
+    return model_vs_cp1_errors(model, ref, full, local, idx, group, lambda a, b: (a - b).abs().max().item())
 
 
 @pytest.mark.parametrize("fmt", ["thd", "sbhd"])

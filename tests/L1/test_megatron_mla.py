@@ -134,13 +134,11 @@ def test_mla_block_matches_cp1(world: int, fmt: str, comm: str, rope_type: str) 
 def gpt_case(rank: int, world: int, fmt: str, comm: str, rope_type: str, hcp) -> dict:
     """Worker: a GPTModel of MLA layers, tokens split by shard_batch_for_cp: max |CP - CP1|
     over logits and every parameter gradient."""
-    import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
-    from megatron_cp_ext.megatron import cp_layer_spec, make_packed_seq_params, shard_batch_for_cp
-    from megatron_cp_ext.megatron.batch import zigzag_positions
-    from megatron_cp_ext.testing.megatron import setup_parallel_state
+    from megatron_cp_ext.megatron import cp_layer_spec
+    from megatron_cp_ext.testing.megatron import model_vs_cp1_errors, setup_parallel_state, token_batches
 
     setup_parallel_state(world, hcp)
     group = parallel_state.get_context_parallel_group()
@@ -154,43 +152,14 @@ def gpt_case(rank: int, world: int, fmt: str, comm: str, rope_type: str, hcp) ->
 
     model, ref = gpt(mla_config(world, comm, rope_type, **extra)), gpt(mla_config(1, comm, rope_type), _twin_pgs())
     ref.load_state_dict(model.state_dict())
-    gen = torch.Generator().manual_seed(3)
-    if fmt == "thd":
-        cu = torch.tensor([0] + THD_LENGTHS).cumsum(0)
-        tokens = torch.randint(0, 64, (1, int(cu[-1])), generator=gen)
-        psp = make_packed_seq_params(cu)  # CP size 1 for the twin
-        full = {"tokens": tokens, "position_ids": psp._mcx_cp_context.positions("cpu")[None], "packed_seq_params": psp}
-        local = shard_batch_for_cp({"tokens": tokens}, cu_seqlens=cu, cp_group=group)
-        idx = local["packed_seq_params"]._mcx_cp_context.sharding.global_index(rank)
-    else:
-        s, b = SBHD_SHAPE
-        tokens = torch.randint(0, 64, (b, s), generator=gen)
-        full = {"tokens": tokens, "position_ids": torch.arange(s).expand(b, s), "packed_seq_params": None}
-        local = {**shard_batch_for_cp({k: full[k] for k in ("tokens", "position_ids")}, cp_group=group)}
-        local["packed_seq_params"] = None
-        idx = zigzag_positions(s // world, world, rank)
-
-    def run(module, batch):
-        return module(batch["tokens"], batch["position_ids"], None, packed_seq_params=batch["packed_seq_params"])
-
-    y_ref = run(ref, full)
-    w = torch.randn(y_ref.shape, generator=torch.Generator().manual_seed(4))
-    (y_ref * w).sum().backward()
-    y = run(model, local)
-    (y * w[:, idx]).sum().backward()
+    full, local, idx = token_batches(rank, world, group, fmt, lengths=THD_LENGTHS, shape=SBHD_SHAPE, vocab=64)
 
     # Relative to each tensor's scale (at least 1): bias and output-layer gradients sum over
     # hundreds of tokens, where fp32 summation order alone moves them by ~1e-4 absolute.
     def rel(a, b):
         return ((a - b).abs().max() / b.abs().max().clamp(min=1.0)).item()
 
-    errs = {"logits": rel(y, y_ref[:, idx])}
-    ref_params = dict(ref.named_parameters())
-    for name, p in model.named_parameters():
-        g = p.grad.clone()
-        dist.all_reduce(g, group=group)
-        errs[name] = rel(g, ref_params[name].grad)
-    return errs
+    return model_vs_cp1_errors(model, ref, full, local, idx, group, rel)
 
 
 @pytest.mark.parametrize(
