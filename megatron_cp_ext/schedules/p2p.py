@@ -34,7 +34,7 @@ def _send_parts(x: torch.Tensor, rows: Rows) -> list[torch.Tensor]:
         return []
     if rows.packed:
         return [gather_rows(x, rows.index_on(x.device))]
-    return [x[a:b] for a, b in rows.ranges.tolist()]
+    return [x[a:b] for a, b in rows.spans]
 
 
 def _recv_parts(buf: torch.Tensor | None, rows: Rows) -> list[torch.Tensor]:
@@ -42,7 +42,7 @@ def _recv_parts(buf: torch.Tensor | None, rows: Rows) -> list[torch.Tensor]:
     if buf is None or rows.packed:
         return [] if buf is None else [buf]
     parts, off = [], 0
-    for a, b in rows.ranges.tolist():
+    for a, b in rows.spans:
         parts.append(buf[off : off + b - a])
         off += b - a
     return parts
@@ -98,7 +98,7 @@ def _land(home: tuple | None, dkv: torch.Tensor) -> None:
         accumulate(dkv, None, rows.index_on(dkv.device), buf)
         return
     off = 0
-    for a, b in rows.ranges.tolist():
+    for a, b in rows.spans:
         accumulate(dkv, (a, b), None, buf[off : off + b - a])
         off += b - a
 

@@ -20,6 +20,7 @@ Names: ``ranges`` are ``[m, 2]`` int64 arrays of half-open row ranges of one buf
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -42,9 +43,14 @@ class Rows:
     """``[m, 2]`` half-open row ranges, in order."""
     _dev: dict = field(default_factory=dict, repr=False)
 
-    @property
+    @functools.cached_property
     def n(self) -> int:
         return int((self.ranges[:, 1] - self.ranges[:, 0]).sum())
+
+    @functools.cached_property
+    def spans(self) -> tuple[tuple[int, int], ...]:
+        """``ranges`` as Python ints, converted once per plan (the ring slices with them)."""
+        return tuple((int(a), int(b)) for a, b in self.ranges)
 
     @property
     def packed(self) -> bool:
