@@ -14,6 +14,7 @@ from .inspect import CallReport, PlanReport, RankReport, inspect_plan
 from .mask_names import mask_flags as mask_flags
 from .masks import MaskSpec
 from .sharding import BALANCES, CPSharding, Segment, shard_sequences
+from .te_layout import te_thd_sharding
 from .validation import CPArgumentError, CPArgumentTypeError, CPRankMismatchError
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "CPArgumentTypeError",
     "CPRankMismatchError",
     "shard_sequences",
+    "te_thd_sharding",
     "CPSharding",
     "Segment",
     "MaskSpec",

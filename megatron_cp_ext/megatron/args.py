@@ -22,7 +22,7 @@ __all__ = [
 ]
 
 _COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
-_BALANCES = ("workload", "dualchunk", "contiguous")  # megatron_cp_ext.BALANCES (no torch import here)
+_BALANCES = ("workload", "dualchunk", "contiguous", "te")  # megatron.batch.LAYOUTS (no torch import here)
 _BACKENDS = ("auto", "reference", "flash")
 
 
@@ -39,7 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default="workload",
         help="how packed (THD) sequences are split across CP ranks: workload (short documents whole, "
         "long ones in 128-aligned pieces, attention work balanced under the mask), dualchunk (every "
-        "sequence in 2*cp chunks) or contiguous (cp slices of every sequence)",
+        "sequence in 2*cp chunks), contiguous (cp slices of every sequence) or te (TransformerEngine's THD "
+        "split, as Megatron's get_thd_batch_on_this_cp_rank; always used when cu_seqlens_q_padded is set); "
+        "applies to batches split without shard_batch_for_cp",
     )
     group.add_argument(
         "--cp-attention-backend",

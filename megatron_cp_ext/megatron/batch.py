@@ -1,9 +1,8 @@
 """Split a training batch across CP ranks and carry one sharding per micro-batch.
 
-Megatron hands every layer the same :class:`PackedSeqParams` object for a micro-batch. We
-hang a :class:`CPBatchContext` on it (the :class:`~megatron_cp_ext.CPSharding`, which also
-caches the attention plans, and this rank's token positions per device), so all layers, the
-RoPE of every layer and the backward share one plan built once on the host.
+The split and the attention must agree on which global tokens each rank holds: the
+``PackedSeqParams`` returned here carry the sharding (:mod:`.context`), so every layer uses the
+split the data got, whatever its own mask.
 
 Two ways in:
 
@@ -19,15 +18,23 @@ Shape legend: ``T`` global tokens, ``t`` this rank's tokens, ``b`` batch, ``s`` 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from ..sharding import CPSharding, check_cu_seqlens, shard_sequences
-from ..validation import CPArgumentError
+from ..validation import CPArgumentError, as_int
+from .context import (
+    CONTEXT_ATTR,
+    CPBatchContext,
+    ShardRecipe,
+    check_layout_name,
+    check_token_multiple,
+    cp_context,
+    default_token_multiple,
+    host_cu_seqlens,
+    version_of,
+)
 
 __all__ = [
     "CPBatchContext",
@@ -36,30 +43,6 @@ __all__ = [
     "shard_batch_for_cp",
     "zigzag_positions",
 ]
-
-_CONTEXT_ATTR = "_mcx_cp_context"
-
-
-@dataclass(eq=False)
-class CPBatchContext:
-    """What one micro-batch's attention layers share on one CP rank."""
-
-    sharding: CPSharding
-    """Token -> rank assignment; also the engine's plan cache for this micro-batch."""
-    rank: int
-    """This rank's index in the CP group."""
-    source: Any = None
-    """The ``cu_seqlens`` tensor the context was derived from (detects a reused params object)."""
-    _positions: dict = field(default_factory=dict, repr=False)
-
-    def positions(self, device: torch.device | str) -> torch.Tensor:
-        """Position inside its sequence of every local token, on ``device`` (uploaded once)."""
-        device = torch.device(device)
-        pos = self._positions.get(device)
-        if pos is None:
-            pos = self.sharding.positions(self.rank).to(device, non_blocking=True)
-            self._positions[device] = pos
-        return pos
 
 
 def _group_size_rank(cp_group: dist.ProcessGroup | None) -> tuple[int, int]:
@@ -84,6 +67,7 @@ def make_packed_seq_params(
     causal: bool = True,
     window_size: tuple[int, int] = (-1, -1),
     chunk_size: int | None = None,
+    token_multiple: int = 1,
 ) -> PackedSeqParams:
     """A THD ``PackedSeqParams`` for one micro-batch, with the CP plan cache attached.
 
@@ -91,12 +75,23 @@ def make_packed_seq_params(
     global ``cu_seqlens_q/kv`` (int32 on ``device``) exactly as Megatron expects, plus the
     sharding, so every layer reuses one plan and nothing syncs with the device. ``causal``,
     ``window_size``, ``chunk_size``: the model's attention mask, which the ``workload``
-    balance balances work under (any sharding is exact under any mask).
+    balance balances under (any sharding is exact under any mask; the sharding travels with
+    the params, so every layer uses this one whatever its own mask). ``balance="te"``:
+    TransformerEngine's THD split. ``token_multiple``: every rank's token count a multiple
+    of it (sequence parallelism needs the TP size).
     """
-    cu_cpu = torch.tensor(_host_cu_seqlens(cu_seqlens), dtype=torch.int64)
+    cu_cpu = torch.tensor(host_cu_seqlens(cu_seqlens), dtype=torch.int64)
     size, rank = _group_size_rank(cp_group)
-    mask = {"causal": causal, "window_size": window_size, "chunk_size": chunk_size}
-    sharding = shard_sequences(cu_cpu, size, balance=balance, **mask)
+    token_multiple = as_int(token_multiple, "token_multiple", minimum=1)
+    recipe = ShardRecipe(
+        balance=check_layout_name(balance, "balance"),
+        causal=causal,
+        window_size=window_size,
+        chunk_size=chunk_size,
+        token_multiple=token_multiple,
+    )
+    sharding = recipe.build(cu_cpu.tolist(), size)
+    check_token_multiple(sharding, token_multiple, f"token_multiple={token_multiple}")
     cu_dev = cu_cpu.to(torch.int32).to(device or "cpu", non_blocking=True)
     lengths = cu_cpu[1:] - cu_cpu[:-1]
     max_len = int(lengths.max()) if lengths.numel() else 0
@@ -108,48 +103,9 @@ def make_packed_seq_params(
         max_seqlen_kv=max_len,
         cp_group=cp_group,
     )
-    setattr(params, _CONTEXT_ATTR, CPBatchContext(sharding=sharding, rank=rank, source=cu_dev))
+    ctx = CPBatchContext(sharding=sharding, rank=rank, recipe=recipe, source=cu_dev, version=version_of(cu_dev))
+    setattr(params, CONTEXT_ATTR, ctx)
     return params
-
-
-def _host_cu_seqlens(cu_seqlens: torch.Tensor | Sequence[int]) -> list[int]:
-    """Validated host ints (float or bool ``cu_seqlens`` are refused, as by the core). A device
-    tensor costs one copy to the host per micro-batch."""
-    if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.device.type != "cpu":
-        cu_seqlens = cu_seqlens.detach().cpu()
-    return check_cu_seqlens(cu_seqlens)
-
-
-def _layout_cu_seqlens(params: PackedSeqParams) -> torch.Tensor:
-    """The ``cu_seqlens`` describing where tokens sit (padded ones when Megatron padded)."""
-    cu_q = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
-    cu_kv = params.cu_seqlens_kv_padded if params.cu_seqlens_kv_padded is not None else params.cu_seqlens_kv
-    if cu_q is None:
-        raise ValueError("PackedSeqParams for qkv_format='thd' needs cu_seqlens_q")
-    if cu_kv is not None and cu_kv is not cu_q and not torch.equal(cu_kv.cpu(), cu_q.cpu()):
-        raise ValueError("CP self-attention needs cu_seqlens_kv == cu_seqlens_q (same packed batch)")
-    return cu_q
-
-
-def cp_context(
-    params: PackedSeqParams, cp_size: int, cp_rank: int, balance: str = "workload", **mask: Any
-) -> CPBatchContext:
-    """The micro-batch's :class:`CPBatchContext`, derived once and cached on ``params``
-    (``mask``: ``shard_sequences``'s ``causal``/``window_size``/``chunk_size``)."""
-    cu = _layout_cu_seqlens(params)
-    ctx = getattr(params, _CONTEXT_ATTR, None)
-    if ctx is not None and ctx.source is cu:
-        if ctx.sharding.cp_size != cp_size or ctx.rank != cp_rank:
-            raise ValueError(
-                f"PackedSeqParams was built for CP size {ctx.sharding.cp_size} rank {ctx.rank}, "
-                f"used by a layer at CP size {cp_size} rank {cp_rank}"
-            )
-        return ctx
-    # One host copy per micro-batch (a sync if cu lives on the GPU); never per layer.
-    sharding = shard_sequences(_host_cu_seqlens(cu), cp_size, balance=balance, **mask)
-    ctx = CPBatchContext(sharding=sharding, rank=cp_rank, source=cu)
-    setattr(params, _CONTEXT_ATTR, ctx)
-    return ctx
 
 
 def zigzag_positions(s_local: int, cp_size: int, rank: int) -> torch.Tensor:
@@ -187,12 +143,12 @@ def _check_thd_tensor(key: str, val: torch.Tensor, total: int) -> None:
         )
 
 
-def _shard_thd(batch: dict, cu_seqlens, cp_group, balance: str, mask: dict) -> dict:
+def _shard_thd(batch: dict, cu_seqlens, cp_group, balance: str, split: dict) -> dict:
     size, rank = _group_size_rank(cp_group)
     sample = next((v for v in batch.values() if isinstance(v, torch.Tensor) and v.dim() >= 2), None)
     device = sample.device if sample is not None else None
-    params = make_packed_seq_params(cu_seqlens, cp_group=cp_group, balance=balance, device=device, **mask)
-    ctx: CPBatchContext = getattr(params, _CONTEXT_ATTR)
+    params = make_packed_seq_params(cu_seqlens, cp_group=cp_group, balance=balance, device=device, **split)
+    ctx: CPBatchContext = getattr(params, CONTEXT_ATTR)
     total = ctx.sharding.total_tokens
     for key, val in batch.items():  # validate everything before returning anything
         if key != "attention_mask" and isinstance(val, torch.Tensor):
@@ -257,6 +213,7 @@ def shard_batch_for_cp(
     causal: bool = True,
     window_size: tuple[int, int] = (-1, -1),
     chunk_size: int | None = None,
+    token_multiple: int | None = None,
 ) -> dict:
     """This CP rank's part of a batch (a new dict; the input is not modified).
 
@@ -269,7 +226,13 @@ def shard_batch_for_cp(
     Megatron's dual-chunk split of dim 1 (dim 2 for ``attention_mask``), ``s % 2cp == 0``.
 
     ``cp_group`` defaults to Megatron's CP group (``parallel_state``), or CP size 1. ``balance``
-    and the model's mask (``causal``, ``window_size``, ``chunk_size``) choose the THD split.
+    (or ``"te"``, TransformerEngine's THD split) and the model's mask (``causal``,
+    ``window_size``, ``chunk_size``) choose the THD split; the returned ``packed_seq_params``
+    carry it, so every layer uses exactly this split whatever its own mask.
+    ``token_multiple`` (default: Megatron's TP size, 1 without parallel_state): every rank's
+    token count is a multiple of it, as sequence parallelism needs; a batch that cannot be split
+    so is refused here, identically on every rank, before any collective. Pass 1 to allow any
+    total without sequence parallelism.
 
     Not named after Megatron's ``get_batch_on_this_cp_rank``: that function's contract differs
     between megatron-core releases (``(batch, cp_group)`` in 0.16, ``(batch, is_hybrid_cp,
@@ -278,6 +241,7 @@ def shard_batch_for_cp(
     if cp_group is None:
         cp_group = _default_cp_group()
     if cu_seqlens is not None:
-        mask = {"causal": causal, "window_size": window_size, "chunk_size": chunk_size}
-        return _shard_thd(batch, cu_seqlens, cp_group, balance, mask)
+        multiple = default_token_multiple() if token_multiple is None else token_multiple
+        split = {"causal": causal, "window_size": window_size, "chunk_size": chunk_size, "token_multiple": multiple}
+        return _shard_thd(batch, cu_seqlens, cp_group, balance, split)
     return _shard_zigzag(batch, cp_group)

@@ -29,9 +29,8 @@ from megatron.core.transformer.utils import is_layer_window_attention
 from .. import COMM_TYPES, cp_attention
 from ..backends import BACKENDS
 from ..groups import HierarchicalCPGroups
-from ..sharding import BALANCES
 from ..validation import CPArgumentError, as_bool, as_choice, as_chunk, as_window
-from .batch import cp_context
+from .context import LAYOUTS, CPBatchContext, check_token_multiple, cp_context
 from .sinks import install_softmax_offset, offset_sharded_state_dict
 
 __all__ = ["CPAttentionOptions", "CPCoreAttention", "hierarchical_groups_from_sizes", "resolve_cp_comm_type"]
@@ -39,14 +38,25 @@ __all__ = ["CPAttentionOptions", "CPCoreAttention", "hierarchical_groups_from_si
 _MASK_CAUSAL = {AttnMaskType.causal: True, AttnMaskType.no_mask: False}
 _MASK_PADDED = {AttnMaskType.padding_causal: True, AttnMaskType.padding: False}
 
+_REFUSED_CONFIG_FLAGS = {
+    "hybrid_context_parallel": "Megatron's hybrid (per-micro-batch) CP groups are not implemented; "
+    "use a fixed context_parallel_size",
+    "qk_clip": "it reads the attention's max logits, which this core attention does not compute yet",
+    "log_max_attention_logit": "it reads the attention's max logits, which this core attention does not compute yet",
+}
+"""Config flags whose feature needs something this core attention lacks: refused at build,
+instead of a size mismatch or a missing attribute deep inside a training step."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class CPAttentionOptions:
     """Options Megatron's config has no field for (see :mod:`.args` for the CLI flags)."""
 
     load_balance: str = "workload"
-    """THD token -> rank assignment for ``PackedSeqParams`` without a sharding attached (one of
-    :data:`megatron_cp_ext.BALANCES`; ``workload`` balances under this layer's mask)."""
+    """THD token -> rank assignment for a plain ``PackedSeqParams`` (no sharding attached, no
+    ``cu_seqlens_q_padded``): one of :data:`megatron_cp_ext.BALANCES` under the default causal
+    mask, exactly as ``shard_batch_for_cp``/``shard_sequences`` split by default, or ``"te"``
+    (TransformerEngine's THD split). ``cu_seqlens_q_padded`` always means ``"te"``."""
     backend: str = "auto"
     """Local attention kernels: ``auto`` (flash on CUDA, exact reference on CPU) | ``reference`` | ``flash``."""
     chunk_size: int | None = None
@@ -58,8 +68,8 @@ class CPAttentionOptions:
     every rank instead of hanging. Off by default; see ``docs/reliability.md`` for its cost."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.load_balance, str) or self.load_balance not in BALANCES:
-            raise CPArgumentError(f"load_balance must be one of {BALANCES}, got {self.load_balance!r}")
+        if not isinstance(self.load_balance, str) or self.load_balance not in LAYOUTS:
+            raise CPArgumentError(f"load_balance must be one of {LAYOUTS}, got {self.load_balance!r}")
         as_choice(self.backend, "backend", BACKENDS)
         as_chunk(self.chunk_size)
         as_bool(self.check, "check")
@@ -136,6 +146,25 @@ def _hierarchical_groups(config: TransformerConfig, pg: ProcessGroupCollection, 
     )
 
 
+def _check_params_group(params: PackedSeqParams, cp_group: dist.ProcessGroup | None) -> None:
+    """Megatron's hybrid/dynamic CP puts a per-micro-batch ``local_cp_size`` / ``cp_group`` on the
+    params; the layout and plans here are built for the layer's fixed CP group only."""
+    if getattr(params, "local_cp_size", None) is not None:
+        raise CPArgumentError(
+            f"PackedSeqParams.local_cp_size={params.local_cp_size}: Megatron's hybrid (per-micro-batch) CP "
+            "is not supported by CPCoreAttention; leave it None and use a fixed context_parallel_size"
+        )
+    group = getattr(params, "cp_group", None)
+    if group is None or group is cp_group:
+        return
+    mine = dist.get_process_group_ranks(cp_group) if cp_group is not None else [dist.get_rank()]
+    if dist.get_process_group_ranks(group) != mine:
+        raise CPArgumentError(
+            f"PackedSeqParams.cp_group spans ranks {dist.get_process_group_ranks(group)}, but this layer's CP group "
+            f"is {mine}: per-micro-batch CP groups (Megatron's hybrid CP) are not supported"
+        )
+
+
 class CPCoreAttention(MegatronModule):
     """Megatron core attention running :func:`megatron_cp_ext.cp_attention`.
 
@@ -169,9 +198,15 @@ class CPCoreAttention(MegatronModule):
         cp_group = getattr(pg_collection, "cp", None)
         tp = getattr(pg_collection, "tp", None)
         self.tp_group = tp
-        install_softmax_offset(self, config, tp.size() if tp is not None else 1)
+        tp_size = tp.size() if tp is not None else 1
+        install_softmax_offset(self, config, tp_size)
+        self.cp_group = cp_group
         self.cp_size = dist.get_world_size(cp_group) if cp_group is not None else 1
         self.cp_rank = dist.get_rank(cp_group) if cp_group is not None else 0
+        self.token_multiple = tp_size
+        """Derived THD shardings give every rank a multiple of the TP size (as ``shard_batch_for_cp``)."""
+        self.sp_multiple = tp_size if config.sequence_parallel else 1
+        """Sequence parallelism scatters every rank's tokens over TP: counts must divide."""
         if config.context_parallel_size > 1 and self.cp_size != config.context_parallel_size:
             raise ValueError(
                 f"config.context_parallel_size={config.context_parallel_size} but the CP group has {self.cp_size} ranks"
@@ -191,12 +226,16 @@ class CPCoreAttention(MegatronModule):
         self._engine_kwargs = {"backend": self.options.backend} if self.options.backend != "auto" else {}
         if self.options.check:
             self._engine_kwargs["check"] = True
+        self._sp_checked: Any = None
         missing = set(self._engine_kwargs) - set(inspect.signature(cp_attention).parameters)
         if missing:
             raise ValueError(f"this megatron_cp_ext engine has no {sorted(missing)} option; leave it at its default")
 
     @staticmethod
     def _check_supported(config, attn_mask_type, attention_type, attention_dropout) -> None:
+        for flag in _REFUSED_CONFIG_FLAGS:
+            if getattr(config, flag, False):
+                raise CPArgumentError(f"CPCoreAttention does not support config.{flag}: {_REFUSED_CONFIG_FLAGS[flag]}")
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         if dropout:
             raise ValueError(
@@ -210,12 +249,39 @@ class CPCoreAttention(MegatronModule):
                 f"got {attn_mask_type}"
             )
 
-    @property
-    def balance_mask(self) -> dict:
-        """The mask a sharding derived for this layer is balanced under (``shard_sequences``'s
-        ``causal``/``window_size``/``chunk_size``): the layer's own, from its config."""
-        causal = _MASK_CAUSAL.get(self.attn_mask_type, _MASK_PADDED.get(self.attn_mask_type, True))
-        return {"causal": causal, "window_size": self.window_size, "chunk_size": self.chunk_size}
+    def batch_context(self, packed_seq_params: PackedSeqParams) -> CPBatchContext:
+        """The micro-batch's sharding and positions (THD), shared by every layer and its RoPE.
+
+        Host-only after the first layer of a micro-batch. Refuses, identically on every CP rank
+        and before any collective, what would otherwise hang or be silently wrong: Megatron's
+        per-call CP groups, and token counts sequence parallelism cannot scatter.
+        """
+        _check_params_group(packed_seq_params, self.cp_group)
+        ctx = cp_context(
+            packed_seq_params,
+            self.cp_size,
+            self.cp_rank,
+            self.options.load_balance,
+            token_multiple=self.token_multiple,
+        )
+        if self.sp_multiple > 1 and ctx.sharding is not self._sp_checked:
+            check_token_multiple(ctx.sharding, self.sp_multiple, f"sequence parallelism (TP {self.sp_multiple})")
+            self._sp_checked = ctx.sharding
+        return ctx
+
+    def local_positions(self, packed_seq_params: PackedSeqParams, s_local: int, device) -> torch.Tensor:
+        """Position in its sequence of each of this rank's ``s_local`` THD tokens (for RoPE),
+        after checking that the batch was split the way the micro-batch's sharding says."""
+        ctx = self.batch_context(packed_seq_params)
+        positions = ctx.positions(device)
+        if positions.shape[0] != s_local:
+            raise CPArgumentError(
+                f"CP rank {ctx.rank} holds {s_local} tokens, but the micro-batch's {ctx.sharding.balance!r} sharding "
+                f"gives it {positions.shape[0]} (counts {ctx.sharding.counts()}): the batch was split differently "
+                "from the layout the attention uses. Split it with shard_batch_for_cp (its packed_seq_params carry "
+                "the split), or set cu_seqlens_q_padded when it was split by TransformerEngine's THD split"
+            )
+        return positions
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
         """The learnable softmax offset, sharded like Megatron's own attention's."""
@@ -263,8 +329,7 @@ class CPCoreAttention(MegatronModule):
                 # Padded layouts put pad tokens at each sequence's end; only a causal mask
                 # keeps real tokens from seeing them.
                 raise ValueError("padded cu_seqlens (cu_seqlens_q_padded) are supported with causal masks only")
-            balance = self.options.load_balance
-            ctx = cp_context(packed_seq_params, self.cp_size, self.cp_rank, balance, **self.balance_mask)
+            ctx = self.batch_context(packed_seq_params)
             out = cp_attention(query, key, value, qkv_format="thd", sharding=ctx.sharding, **kwargs)
             return out.reshape(out.shape[0], -1)
         out = cp_attention(query, key, value, qkv_format="sbhd", **kwargs)

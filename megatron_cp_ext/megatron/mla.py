@@ -29,8 +29,6 @@ from megatron.core.models.common.embeddings import yarn_rotary_pos_embedding as 
 from megatron.core.transformer import multi_latent_attention as _mla_module
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
-from .batch import cp_context
-from .core_attention import CPAttentionOptions
 from .rope import CPRotaryEmbedding, _zigzag_positions_on
 
 __all__ = ["CPMLARotaryEmbedding", "CPMLASelfAttention", "local_token_positions"]
@@ -147,10 +145,7 @@ def local_token_positions(attention: torch.nn.Module, s_local: int, packed_seq_p
     cp = attention.pg_collection.cp
     cp_size, cp_rank = (cp.size(), cp.rank()) if cp is not None else (1, 0)
     if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
-        core = attention.core_attention
-        balance = getattr(core, "options", CPAttentionOptions()).load_balance
-        ctx = cp_context(packed_seq_params, cp_size, cp_rank, balance, **getattr(core, "balance_mask", {}))
-        return ctx.positions(device)
+        return attention.core_attention.local_positions(packed_seq_params, s_local, device)
     return _zigzag_positions_on(s_local, cp_size, cp_rank, torch.device(device))
 
 

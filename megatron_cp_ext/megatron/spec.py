@@ -35,7 +35,6 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer, get_transformer_layer_offset
 from megatron.core.utils import get_pg_rank
 
-from .batch import cp_context
 from .core_attention import CPAttentionOptions, CPCoreAttention
 from .mla import CPMLASelfAttention, _local_seq_len
 from .rope import apply_rope_at_positions, local_rope_freqs
@@ -84,12 +83,9 @@ class CPSelfAttention(SelfAttention):
         cp = self.pg_collection.cp
         cp_size, cp_rank = (cp.size(), cp.rank()) if cp is not None else (1, 0)
         positions = None
-        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
-            balance = getattr(self.core_attention, "options", CPAttentionOptions()).load_balance
-            mask = getattr(self.core_attention, "balance_mask", {})
-            ctx = cp_context(packed_seq_params, cp_size, cp_rank, balance, **mask)
-            positions = ctx.positions(rotary_pos_emb.device)
         s_local = _local_seq_len(self, hidden_states)
+        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+            positions = self.core_attention.local_positions(packed_seq_params, s_local, rotary_pos_emb.device)
         return local_rope_freqs(rotary_pos_emb, positions=positions, s_local=s_local, cp_size=cp_size, cp_rank=cp_rank)
 
     def forward(self, hidden_states, attention_mask, *args: Any, **kwargs: Any):

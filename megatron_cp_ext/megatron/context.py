@@ -1,0 +1,207 @@
+"""One micro-batch's CP context: its sharding, how it was made, and when it is stale.
+
+Megatron hands every layer the same :class:`PackedSeqParams` object for a micro-batch. We
+hang a :class:`CPBatchContext` on it (the :class:`~megatron_cp_ext.CPSharding`, which also
+caches the attention plans, and this rank's token positions per device), so all layers, the
+RoPE of every layer and the backward share one plan built once on the host.
+
+The context follows the *values* of ``cu_seqlens``, not only the tensor object: it records
+the tensor's version counter (a host-side integer, no device sync), so a buffer refilled in
+place for the next micro-batch is re-sharded with the same :class:`ShardRecipe`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from megatron.core.packed_seq_params import PackedSeqParams
+
+from ..sharding import BALANCES, CPSharding, check_cu_seqlens, shard_sequences
+from ..te_layout import TE_LAYOUT, te_thd_sharding
+from ..validation import CPArgumentError
+
+__all__ = [
+    "LAYOUTS",
+    "CPBatchContext",
+    "ShardRecipe",
+    "check_token_multiple",
+    "cp_context",
+    "default_token_multiple",
+    "derive_recipe",
+]
+
+CONTEXT_ATTR = "_mcx_cp_context"
+
+LAYOUTS = (*BALANCES, TE_LAYOUT)
+"""What a THD batch split can use: the balances, and TransformerEngine's THD split."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardRecipe:
+    """How a micro-batch's sharding is made from its ``cu_seqlens``.
+
+    Kept with the context so that a ``cu_seqlens`` refilled in place (static buffers, CUDA
+    graphs) is re-sharded exactly the way the batch split sharded it.
+    """
+
+    balance: str = "workload"
+    """One of :data:`megatron_cp_ext.BALANCES`, or ``"te"`` (TransformerEngine's THD split)."""
+    causal: bool = True
+    """Mask the ``workload`` balance balances under (any sharding is exact under any mask)."""
+    window_size: tuple[int, int] = (-1, -1)
+    """Sliding window of that mask, ``(left, right)``."""
+    chunk_size: int | None = None
+    """Chunked attention of that mask."""
+    token_multiple: int = 1
+    """Every rank's token count is a multiple of this (sequence parallelism: the TP size)."""
+
+    def build(self, cu_host: list[int], cp_size: int) -> CPSharding:
+        if self.balance == TE_LAYOUT:
+            return te_thd_sharding(cu_host, cp_size)
+        mask = {"causal": self.causal, "window_size": self.window_size, "chunk_size": self.chunk_size}
+        extra = {"token_multiple": self.token_multiple} if self.token_multiple != 1 else {}
+        return shard_sequences(cu_host, cp_size, balance=self.balance, **mask, **extra)
+
+
+@dataclass(eq=False)
+class CPBatchContext:
+    """What one micro-batch's attention layers share on one CP rank."""
+
+    sharding: CPSharding
+    """Token -> rank assignment; also the engine's plan cache for this micro-batch."""
+    rank: int
+    """This rank's index in the CP group."""
+    recipe: ShardRecipe = field(default_factory=ShardRecipe)
+    """How :attr:`sharding` was made (re-applied when ``cu_seqlens`` change in place)."""
+    source: Any = None
+    """The ``cu_seqlens`` tensor the context was derived from (detects a reused params object)."""
+    version: int = -1
+    """``source``'s version counter then: an in-place refill bumps it, without a device sync."""
+    _positions: dict = field(default_factory=dict, repr=False)
+
+    def positions(self, device: torch.device | str) -> torch.Tensor:
+        """Position inside its sequence of every local token, on ``device`` (uploaded once)."""
+        device = torch.device(device)
+        pos = self._positions.get(device)
+        if pos is None:
+            pos = self.sharding.positions(self.rank).to(device, non_blocking=True)
+            self._positions[device] = pos
+        return pos
+
+    def describes(self, cu: torch.Tensor) -> bool:
+        """Whether ``cu`` is still the tensor, with the values, this context was made from."""
+        return self.source is cu and self.version == version_of(cu)
+
+
+def version_of(t: torch.Tensor) -> int:
+    """The tensor's in-place version counter (host-side; inference tensors have none: -1)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return -1
+
+
+def default_token_multiple() -> int:
+    """Megatron's TP size when parallel_state is set up, else 1: what sequence parallelism
+    needs every CP rank's token count to be a multiple of (harmless without it)."""
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return 1
+    return parallel_state.get_tensor_model_parallel_world_size()
+
+
+def check_token_multiple(sharding: CPSharding, multiple: int, why: str) -> None:
+    """Every rank's token count a multiple of ``multiple``, else the same error on every rank
+    (the counts are host values every rank computes alike), before any collective."""
+    if multiple <= 1:
+        return
+    counts = sharding.counts()
+    bad = [r for r, n in enumerate(counts) if n % multiple]
+    if bad:
+        raise CPArgumentError(
+            f"{why} needs every CP rank's token count to be a multiple of {multiple}; the micro-batch's "
+            f"{sharding.balance!r} sharding gives CP rank {bad[0]} {counts[bad[0]]} tokens (counts {counts}, "
+            f"{sharding.total_tokens} tokens in all): pad the packed batch to a multiple of cp*{multiple} tokens"
+            + (" (and every padded sequence to a multiple of 2*cp*TP)" if sharding.balance == TE_LAYOUT else "")
+        )
+
+
+def check_layout_name(balance: Any, name: str) -> str:
+    if not isinstance(balance, str) or balance not in LAYOUTS:
+        raise CPArgumentError(f"{name} must be one of {LAYOUTS}, got {balance!r}")
+    return balance
+
+
+def host_cu_seqlens(cu_seqlens: torch.Tensor | Sequence[int]) -> list[int]:
+    """Validated host ints (float or bool ``cu_seqlens`` are refused, as by the core). A device
+    tensor costs one copy to the host per micro-batch."""
+    if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.device.type != "cpu":
+        cu_seqlens = cu_seqlens.detach().cpu()
+    return check_cu_seqlens(cu_seqlens)
+
+
+def _layout_cu_seqlens(params: PackedSeqParams) -> torch.Tensor:
+    """The ``cu_seqlens`` describing where tokens sit (the padded ones when Megatron padded)."""
+    if params.cu_seqlens_q_padded is not None:
+        return params.cu_seqlens_q_padded
+    if params.cu_seqlens_q is None:
+        raise CPArgumentError("PackedSeqParams for qkv_format='thd' needs cu_seqlens_q")
+    return params.cu_seqlens_q
+
+
+def _check_self_attention(params: PackedSeqParams) -> None:
+    """kv must describe the same packed batch as q (once per micro-batch: may copy to host)."""
+    for q_name, kv_name in (("cu_seqlens_q", "cu_seqlens_kv"), ("cu_seqlens_q_padded", "cu_seqlens_kv_padded")):
+        cu_q, cu_kv = getattr(params, q_name), getattr(params, kv_name)
+        if cu_q is None or cu_kv is None or cu_kv is cu_q:
+            continue
+        if not torch.equal(cu_kv.detach().cpu().long(), cu_q.detach().cpu().long()):
+            raise CPArgumentError(f"CP self-attention needs {kv_name} == {q_name} (the same packed batch)")
+
+
+def derive_recipe(params: PackedSeqParams, balance: str, token_multiple: int) -> ShardRecipe:
+    """The recipe for a plain ``PackedSeqParams`` (no sharding attached).
+
+    ``cu_seqlens_q_padded`` means the batch was split by TransformerEngine's THD split
+    (Megatron's ``get_thd_batch_on_this_cp_rank``, Megatron-Bridge's and NeMo's data steps), so
+    that is the layout, whatever ``balance`` says. Otherwise ``balance`` under the default
+    (causal) mask, exactly what :func:`shard_batch_for_cp` and ``shard_sequences(cu, cp)`` give
+    by default: the layout never depends on a layer's own mask, so every layer of a model
+    (windowed, chunked or full) agrees with the batch split.
+    """
+    if params.cu_seqlens_q_padded is not None:
+        return ShardRecipe(balance=TE_LAYOUT, token_multiple=token_multiple)
+    return ShardRecipe(balance=balance, token_multiple=token_multiple)
+
+
+def cp_context(
+    params: PackedSeqParams, cp_size: int, cp_rank: int, balance: str = "workload", *, token_multiple: int = 1
+) -> CPBatchContext:
+    """The micro-batch's :class:`CPBatchContext`, cached on ``params``.
+
+    Made once per micro-batch: by :func:`make_packed_seq_params` / :func:`shard_batch_for_cp`,
+    or on first use from a plain ``PackedSeqParams`` (:func:`derive_recipe`). Reused while its
+    ``cu_seqlens`` tensor is the same object with the same version counter; an in-place
+    refill (or a new tensor) re-shards with the same recipe.
+    """
+    cu = _layout_cu_seqlens(params)
+    ctx = getattr(params, CONTEXT_ATTR, None)
+    if ctx is not None and ctx.describes(cu):
+        if ctx.sharding.cp_size != cp_size or ctx.rank != cp_rank:
+            raise CPArgumentError(
+                f"PackedSeqParams was built for CP size {ctx.sharding.cp_size} rank {ctx.rank}, "
+                f"used by a layer at CP size {cp_size} rank {cp_rank}"
+            )
+        return ctx
+    recipe = ctx.recipe if ctx is not None else derive_recipe(params, balance, token_multiple)
+    _check_self_attention(params)
+    # One host copy per micro-batch (a sync if cu lives on the GPU); never per layer.
+    version = version_of(cu)
+    sharding = recipe.build(host_cu_seqlens(cu), cp_size)
+    ctx = CPBatchContext(sharding=sharding, rank=cp_rank, recipe=recipe, source=cu, version=version)
+    setattr(params, CONTEXT_ATTR, ctx)
+    return ctx

@@ -1,0 +1,57 @@
+"""TransformerEngine's THD split as a :class:`~megatron_cp_ext.CPSharding`.
+
+Megatron's ``get_thd_batch_on_this_cp_rank`` and Megatron-Bridge's GPT step split packed
+batches with TransformerEngine's ``thd_get_partitioned_indices``: every sequence (of its
+*padded* length, a multiple of ``2*cp``) is cut into ``2*cp`` equal chunks, and CP rank r
+holds chunk r and chunk ``2*cp-1-r`` of each sequence, sequence after sequence. A batch split
+that way can only be trained by an attention that assigns tokens the same way, so this layout
+is recognised from ``cu_seqlens_q_padded`` (or chosen by name, ``"te"``) instead of balanced.
+
+It differs from the ``dualchunk`` balance only in the local order (``dualchunk`` lists all
+first chunks, then all second ones) and in refusing lengths that are not multiples of
+``2*cp`` (TransformerEngine pads them; an uneven cut would not be its split).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from .sharding import CPSharding, check_cu_seqlens
+from .validation import CPArgumentError, as_int
+
+__all__ = ["TE_LAYOUT", "te_thd_sharding"]
+
+TE_LAYOUT = "te"
+"""Name of this layout (``CPSharding.balance``, ``load_balance=``, ``shard_batch_for_cp(balance=)``)."""
+
+
+def te_thd_sharding(
+    cu_seqlens: torch.Tensor | Sequence[int], cp_size: int, *, name: str = "cu_seqlens_padded"
+) -> CPSharding:
+    """The sharding TransformerEngine's ``thd_get_partitioned_indices`` produces.
+
+    ``cu_seqlens``: global host prefix sums of the (padded) sequence lengths, each a multiple
+    of ``2*cp_size``; ``name`` is what an error calls them. Every rank holds the same number
+    of tokens, ``total / cp_size``.
+    """
+    cu = check_cu_seqlens(cu_seqlens, name)
+    cp_size = as_int(cp_size, "cp_size", minimum=1)
+    lens = np.diff(np.asarray(cu, dtype=np.int64))
+    bad = np.nonzero(lens % (2 * cp_size))[0]
+    if len(bad):
+        i = int(bad[0])
+        raise CPArgumentError(
+            f"{name} describe sequence {i} of length {int(lens[i])}, not a multiple of 2*cp = {2 * cp_size}: "
+            "TransformerEngine's THD split (cu_seqlens_q_padded) pads every sequence to a multiple of 2*cp"
+        )
+    seq = np.nonzero(lens)[0]
+    chunk = lens[seq] // (2 * cp_size)
+    per_rank = []
+    for r in range(cp_size):
+        first, second = r * chunk, (2 * cp_size - 1 - r) * chunk
+        rows = np.stack([seq, first, first + chunk, seq, second, second + chunk], axis=1)
+        per_rank.append(rows.reshape(-1, 3))  # sequence after sequence: chunk r, then 2cp-1-r
+    return CPSharding._of(cu, per_rank, TE_LAYOUT)
