@@ -150,9 +150,11 @@ def local_batch(args: argparse.Namespace, batch: dict, device: torch.device) -> 
         mask = {"window_size": tuple(args.window_size) if args.window_size else (-1, -1),
                 "chunk_size": args.cp_attention_chunk_size}  # fmt: skip
         cu = batch["cu_seqlens"]
-        return shard_batch_for_cp(
-            tensors, cu_seqlens=cu, cp_group=cp_group, balance=args.cp_load_balance, causal=True, **mask
-        )
+        # "te" names Megatron's own split, which needs documents padded to multiples of 2*cp;
+        # these are not, so the demo then splits with the default balance. Either way the
+        # packed_seq_params returned carry the split, so every layer uses it.
+        balance = "workload" if args.cp_load_balance == "te" else args.cp_load_balance
+        return shard_batch_for_cp(tensors, cu_seqlens=cu, cp_group=cp_group, balance=balance, causal=True, **mask)
     s = tensors["tokens"].shape[1]
     tensors["position_ids"] = torch.arange(s, device=device).expand_as(tensors["tokens"])
     return shard_batch_for_cp(tensors, cp_group=cp_group)

@@ -63,7 +63,7 @@ def cp_bridge_layer_spec(
     config: Any,
     vp_stage: int | None = None,
     *,
-    load_balance: str = "workload",
+    load_balance: str = "te",
     backend: str = "auto",
     chunk_size: int | None = None,
     check: bool = False,
@@ -115,7 +115,7 @@ def apply_cp(
     context_parallel_size: int,
     cp_comm_type: str | Sequence[str] = "p2p",
     hierarchical_sizes: Sequence[int] | None = None,
-    load_balance: str = "workload",
+    load_balance: str = "te",
     backend: str = "auto",
     chunk_size: int | None = None,
 ) -> Any:

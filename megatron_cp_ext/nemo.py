@@ -107,7 +107,7 @@ def apply_cp(
     context_parallel_size: int,
     cp_comm_type: str | Sequence[str] = "p2p",
     hierarchical_sizes: Sequence[int] | None = None,
-    load_balance: str = "workload",
+    load_balance: str = "te",
     backend: str = "auto",
     chunk_size: int | None = None,
 ) -> Any:

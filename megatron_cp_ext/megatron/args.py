@@ -36,12 +36,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument(
         "--cp-load-balance",
         choices=_BALANCES,
-        default="workload",
-        help="how packed (THD) sequences are split across CP ranks: workload (short documents whole, "
-        "long ones in 128-aligned pieces, attention work balanced under the mask), dualchunk (every "
-        "sequence in 2*cp chunks), contiguous (cp slices of every sequence) or te (TransformerEngine's THD "
-        "split, as Megatron's get_thd_batch_on_this_cp_rank; always used when cu_seqlens_q_padded is set); "
-        "applies to batches split without shard_batch_for_cp",
+        default="te",
+        help="how packed (THD) batches were split across CP ranks when their packed_seq_params carry no "
+        "megatron_cp_ext sharding: te (default; Megatron's own THD split, TransformerEngine's "
+        "thd_get_partitioned_indices per document; always used with cu_seqlens_q_padded), or the balance a "
+        "pipeline passed to megatron_cp_ext.shard_sequences: workload (short documents whole, long ones "
+        "in 128-aligned pieces, attention work balanced), dualchunk (every sequence in 2*cp chunks) or "
+        "contiguous (cp slices of every sequence). Batches split by shard_batch_for_cp carry their split",
     )
     group.add_argument(
         "--cp-attention-backend",
@@ -112,7 +113,7 @@ def cp_attention_options_from_args(args: argparse.Namespace) -> Any:
     from .core_attention import CPAttentionOptions
 
     return CPAttentionOptions(
-        load_balance=getattr(args, "cp_load_balance", "workload"),
+        load_balance=getattr(args, "cp_load_balance", "te"),
         backend=getattr(args, "cp_attention_backend", "auto"),
         chunk_size=getattr(args, "cp_attention_chunk_size", None),
         check=getattr(args, "cp_attention_check", False),

@@ -58,9 +58,9 @@ class ShardRecipe:
     token_multiple: int = 1
     """Every rank's token count is a multiple of this (sequence parallelism: the TP size)."""
 
-    def build(self, cu_host: list[int], cp_size: int) -> CPSharding:
+    def build(self, cu_host: list[int], cp_size: int, name: str = "cu_seqlens") -> CPSharding:
         if self.balance == TE_LAYOUT:
-            return te_thd_sharding(cu_host, cp_size)
+            return te_thd_sharding(cu_host, cp_size, name=name)
         mask = {"causal": self.causal, "window_size": self.window_size, "chunk_size": self.chunk_size}
         extra = {"token_multiple": self.token_multiple} if self.token_multiple != 1 else {}
         return shard_sequences(cu_host, cp_size, balance=self.balance, **mask, **extra)
@@ -163,24 +163,22 @@ def _check_self_attention(params: PackedSeqParams) -> None:
             raise CPArgumentError(f"CP self-attention needs {kv_name} == {q_name} (the same packed batch)")
 
 
-def derive_recipe(params: PackedSeqParams, balance: str, token_multiple: int) -> ShardRecipe:
+def derive_recipe(params: PackedSeqParams, balance: str) -> ShardRecipe:
     """The recipe for a plain ``PackedSeqParams`` (no sharding attached).
 
     ``cu_seqlens_q_padded`` means the batch was split by TransformerEngine's THD split
     (Megatron's ``get_thd_batch_on_this_cp_rank``, Megatron-Bridge's and NeMo's data steps), so
-    that is the layout, whatever ``balance`` says. Otherwise ``balance`` under the default
-    (causal) mask, exactly what :func:`shard_batch_for_cp` and ``shard_sequences(cu, cp)`` give
-    by default: the layout never depends on a layer's own mask, so every layer of a model
-    (windowed, chunked or full) agrees with the batch split.
+    that is the layout, whatever ``balance`` says. Otherwise ``balance``: ``"te"`` for
+    Megatron's own split, or a balance under the default (causal) mask, as
+    ``shard_sequences(cu, cp, balance)`` gives it. The layout never depends on a layer's own
+    mask, so every layer of a model (windowed, chunked or full) agrees with the batch split.
     """
     if params.cu_seqlens_q_padded is not None:
-        return ShardRecipe(balance=TE_LAYOUT, token_multiple=token_multiple)
-    return ShardRecipe(balance=balance, token_multiple=token_multiple)
+        return ShardRecipe(balance=TE_LAYOUT)
+    return ShardRecipe(balance=balance)
 
 
-def cp_context(
-    params: PackedSeqParams, cp_size: int, cp_rank: int, balance: str = "workload", *, token_multiple: int = 1
-) -> CPBatchContext:
+def cp_context(params: PackedSeqParams, cp_size: int, cp_rank: int, balance: str = "te") -> CPBatchContext:
     """The micro-batch's :class:`CPBatchContext`, cached on ``params``.
 
     Made once per micro-batch: by :func:`make_packed_seq_params` / :func:`shard_batch_for_cp`,
@@ -197,11 +195,22 @@ def cp_context(
                 f"used by a layer at CP size {cp_size} rank {cp_rank}"
             )
         return ctx
-    recipe = ctx.recipe if ctx is not None else derive_recipe(params, balance, token_multiple)
+    recipe = ctx.recipe if ctx is not None else derive_recipe(params, balance)
     _check_self_attention(params)
     # One host copy per micro-batch (a sync if cu lives on the GPU); never per layer.
     version = version_of(cu)
-    sharding = recipe.build(host_cu_seqlens(cu), cp_size)
+    name = "PackedSeqParams.cu_seqlens_q" + ("_padded" if params.cu_seqlens_q_padded is not None else "")
+    try:
+        sharding = recipe.build(host_cu_seqlens(cu), cp_size, name)
+    except CPArgumentError as err:
+        if ctx is not None:
+            raise
+        raise CPArgumentError(
+            f"{err}. PackedSeqParams without a megatron_cp_ext sharding are taken to be split by "
+            f"load_balance={recipe.balance!r} (te: Megatron's own THD split); split the batch with "
+            "megatron_cp_ext.megatron.shard_batch_for_cp (its packed_seq_params carry the split), or set "
+            "load_balance (--cp-load-balance) to the balance the batch was split with"
+        ) from err
     ctx = CPBatchContext(sharding=sharding, rank=cp_rank, recipe=recipe, source=cu, version=version)
     setattr(params, CONTEXT_ATTR, ctx)
     return ctx

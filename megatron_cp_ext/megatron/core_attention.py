@@ -52,11 +52,15 @@ instead of a size mismatch or a missing attribute deep inside a training step.""
 class CPAttentionOptions:
     """Options Megatron's config has no field for (see :mod:`.args` for the CLI flags)."""
 
-    load_balance: str = "workload"
-    """THD token -> rank assignment for a plain ``PackedSeqParams`` (no sharding attached, no
-    ``cu_seqlens_q_padded``): one of :data:`megatron_cp_ext.BALANCES` under the default causal
-    mask, exactly as ``shard_batch_for_cp``/``shard_sequences`` split by default, or ``"te"``
-    (TransformerEngine's THD split). ``cu_seqlens_q_padded`` always means ``"te"``."""
+    load_balance: str = "te"
+    """How a THD batch whose ``PackedSeqParams`` carry no megatron_cp_ext sharding was split
+    across CP ranks. ``"te"`` (default): Megatron's own THD split (TransformerEngine's
+    ``thd_get_partitioned_indices``, per document, as ``get_thd_batch_on_this_cp_rank`` /
+    ``get_batch_on_this_cp_rank`` and the Bridge and NeMo data steps do); documents whose
+    lengths are not multiples of ``2*cp`` cannot come from it and are refused. Or one of
+    :data:`megatron_cp_ext.BALANCES`, for a pipeline that split with ``shard_sequences(cu, cp,
+    balance)`` (default causal mask). ``cu_seqlens_q_padded`` always means ``"te"``, and params
+    made by ``shard_batch_for_cp`` / ``make_packed_seq_params`` carry their own split."""
     backend: str = "auto"
     """Local attention kernels: ``auto`` (flash on CUDA, exact reference on CPU) | ``reference`` | ``flash``."""
     chunk_size: int | None = None
@@ -203,8 +207,6 @@ class CPCoreAttention(MegatronModule):
         self.cp_group = cp_group
         self.cp_size = dist.get_world_size(cp_group) if cp_group is not None else 1
         self.cp_rank = dist.get_rank(cp_group) if cp_group is not None else 0
-        self.token_multiple = tp_size
-        """Derived THD shardings give every rank a multiple of the TP size (as ``shard_batch_for_cp``)."""
         self.sp_multiple = tp_size if config.sequence_parallel else 1
         """Sequence parallelism scatters every rank's tokens over TP: counts must divide."""
         if config.context_parallel_size > 1 and self.cp_size != config.context_parallel_size:
@@ -257,13 +259,7 @@ class CPCoreAttention(MegatronModule):
         per-call CP groups, and token counts sequence parallelism cannot scatter.
         """
         _check_params_group(packed_seq_params, self.cp_group)
-        ctx = cp_context(
-            packed_seq_params,
-            self.cp_size,
-            self.cp_rank,
-            self.options.load_balance,
-            token_multiple=self.token_multiple,
-        )
+        ctx = cp_context(packed_seq_params, self.cp_size, self.cp_rank, self.options.load_balance)
         if self.sp_multiple > 1 and ctx.sharding is not self._sp_checked:
             check_token_multiple(ctx.sharding, self.sp_multiple, f"sequence parallelism (TP {self.sp_multiple})")
             self._sp_checked = ctx.sharding

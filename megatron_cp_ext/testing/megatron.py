@@ -13,21 +13,25 @@ import torch.distributed as dist
 __all__ = ["setup_parallel_state", "cp_vs_cp1_errors", "token_batches", "model_vs_cp1_errors"]
 
 
-def setup_parallel_state(cp: int, hcp_sizes: tuple[int, ...] | None = None) -> None:
-    """(Re)initialise Megatron's parallel_state with CP size ``cp`` (and hierarchical CP
-    sizes ``[a2a, p2p]``) unless a pool worker already has exactly that layout."""
+def setup_parallel_state(cp: int, hcp_sizes: tuple[int, ...] | None = None, tp: int = 1) -> None:
+    """(Re)initialise Megatron's parallel_state with CP size ``cp`` (hierarchical CP sizes
+    ``[a2a, p2p]``) and TP size ``tp``, unless a pool worker already has exactly that layout."""
     from megatron.core import parallel_state
 
     if parallel_state.model_parallel_is_initialized():
         hcp = parallel_state.get_hierarchical_context_parallel_groups(check_initialized=False)
         have = tuple(dist.get_world_size(g) for g in hcp) if hcp else None
-        if parallel_state.get_context_parallel_world_size() == cp and have == (tuple(hcp_sizes) if hcp_sizes else None):
+        same = parallel_state.get_context_parallel_world_size() == cp
+        same = same and parallel_state.get_tensor_model_parallel_world_size() == tp
+        if same and have == (tuple(hcp_sizes) if hcp_sizes else None):
             return
         parallel_state.destroy_model_parallel()
     # destroy_model_parallel (megatron-core 0.16) leaves the hierarchical CP groups behind.
     parallel_state._HIERARCHICAL_CONTEXT_PARALLEL_GROUPS = None
     parallel_state.initialize_model_parallel(
-        context_parallel_size=cp, hierarchical_context_parallel_sizes=list(hcp_sizes) if hcp_sizes else None
+        tensor_model_parallel_size=tp,
+        context_parallel_size=cp,
+        hierarchical_context_parallel_sizes=list(hcp_sizes) if hcp_sizes else None,
     )
 
 

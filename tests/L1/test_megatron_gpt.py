@@ -51,8 +51,9 @@ def _block(cp: int, num_layers: int = 3, **extra):
 
 
 def plain_params_case(rank: int, world: int) -> dict:
-    """Worker: a plain Megatron PackedSeqParams (global cu_seqlens, nothing attached) must
-    give the same result as ours and derive one sharding (one plan) for all layers."""
+    """Worker: a plain Megatron PackedSeqParams (global cu_seqlens, nothing attached; the batch
+    split by Megatron's own THD split) must give the same result as ours built with that split,
+    and derive one sharding (one plan) for all layers."""
     from megatron.core import parallel_state
     from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -60,14 +61,15 @@ def plain_params_case(rank: int, world: int) -> dict:
 
     _setup(world)
     block = _block(world)
-    cu = torch.tensor([0] + LENGTHS).cumsum(0)
-    ours = make_packed_seq_params(cu, cp_group=parallel_state.get_context_parallel_group())
+    lengths = [n * 2 * world for n in LENGTHS]  # Megatron's split needs multiples of 2*cp
+    cu = torch.tensor([0] + lengths).cumsum(0)
+    ours = make_packed_seq_params(cu, cp_group=parallel_state.get_context_parallel_group(), balance="te")
     sharding = ours._mcx_cp_context.sharding
     x = torch.randn(int(cu[-1]), 1, 32, generator=torch.Generator().manual_seed(3))
     x_loc = sharding.shard(x, rank, dim=0)
-    table = CPRotaryEmbedding(8)(max(LENGTHS))
+    table = CPRotaryEmbedding(8)(max(lengths))
     plain = PackedSeqParams(
-        qkv_format="thd", cu_seqlens_q=cu.int(), cu_seqlens_kv=cu.int(), max_seqlen_q=14, max_seqlen_kv=14
+        qkv_format="thd", cu_seqlens_q=cu.int(), cu_seqlens_kv=cu.int(), max_seqlen_q=56, max_seqlen_kv=56
     )
     y_plain = block(x_loc, attention_mask=None, rotary_pos_emb=table, packed_seq_params=plain)
     derived = plain._mcx_cp_context.sharding
@@ -75,6 +77,7 @@ def plain_params_case(rank: int, world: int) -> dict:
     y_ours = block(x_loc, attention_mask=None, rotary_pos_emb=table, packed_seq_params=ours)
     return {
         "diff": (y_plain - y_ours).abs().max().item(),
+        "te": derived.balance == "te",
         "same_context_after_backward": plain._mcx_cp_context.sharding is derived,
         "plans": len(derived._plans),
     }
@@ -82,7 +85,7 @@ def plain_params_case(rank: int, world: int) -> dict:
 
 def test_plain_packed_seq_params_one_plan_per_micro_batch() -> None:
     for res in run_on_ranks(2, plain_params_case):
-        assert res["diff"] < 1e-6, res
+        assert res["diff"] < 1e-6 and res["te"], res
         assert res["same_context_after_backward"], res
         assert res["plans"] == 1, f"3 layers + backward must share one plan, got {res['plans']}"
 

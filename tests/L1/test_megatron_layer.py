@@ -26,20 +26,9 @@ _NOT_YET: dict[str, str] = {}
 
 def setup_megatron(cp: int, hcp_sizes: tuple[int, ...] | None) -> None:
     """(Re)initialise Megatron's parallel_state in a pool worker when the layout differs."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
+    from megatron_cp_ext.testing.megatron import setup_parallel_state
 
-    if parallel_state.model_parallel_is_initialized():
-        hcp = parallel_state.get_hierarchical_context_parallel_groups(check_initialized=False)
-        have = tuple(dist.get_world_size(g) for g in hcp) if hcp else None
-        if parallel_state.get_context_parallel_world_size() == cp and have == hcp_sizes:
-            return
-        parallel_state.destroy_model_parallel()
-    # destroy_model_parallel (megatron-core 0.16) leaves the hierarchical CP groups behind.
-    parallel_state._HIERARCHICAL_CONTEXT_PARALLEL_GROUPS = None
-    parallel_state.initialize_model_parallel(
-        context_parallel_size=cp, hierarchical_context_parallel_sizes=list(hcp_sizes) if hcp_sizes else None
-    )
+    setup_parallel_state(cp, hcp_sizes)
 
 
 def make_config(cp: int, comm_type, window, num_layers: int = 1, **extra):
