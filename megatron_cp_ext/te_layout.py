@@ -34,12 +34,15 @@ def te_thd_sharding(
     """The sharding TransformerEngine's ``thd_get_partitioned_indices`` produces.
 
     ``cu_seqlens``: global host prefix sums of the (padded) sequence lengths, each a multiple
-    of ``2*cp_size``; ``name`` is what an error calls them. Every rank holds the same number
-    of tokens, ``total / cp_size``.
+    of ``2*cp_size`` (any lengths at CP size 1, where nothing is split); ``name`` is what an
+    error calls them. Every rank holds the same number of tokens, ``total / cp_size``.
     """
     cu = check_cu_seqlens(cu_seqlens, name)
     cp_size = as_int(cp_size, "cp_size", minimum=1)
     lens = np.diff(np.asarray(cu, dtype=np.int64))
+    if cp_size == 1:
+        seq = np.nonzero(lens)[0]
+        return CPSharding._of(cu, [np.stack([seq, seq * 0, lens[seq]], axis=1)], TE_LAYOUT)
     bad = np.nonzero(lens % (2 * cp_size))[0]
     if len(bad):
         i = int(bad[0])

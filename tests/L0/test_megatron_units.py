@@ -117,6 +117,9 @@ def test_core_attention_sbhd_softmax_scale_and_no_mask() -> None:
         ({"attention_type": "cross"}, "self attention"),
         ({"mask": AttnMaskType.arbitrary}, "attn_mask_type"),
         ({"cp_comm_type": "ring"}, "p2p"),
+        ({"cfg": config(hybrid_context_parallel=True)}, "hybrid_context_parallel"),
+        ({"cfg": config(qk_clip=True)}, "qk_clip.*max logits"),
+        ({"cfg": config(log_max_attention_logit=True)}, "log_max_attention_logit"),
     ],
 )
 def test_unsupported_options_fail_at_construction(kwargs, match) -> None:
@@ -351,3 +354,13 @@ def test_padded_cu_seqlens_layout_is_exact_for_real_tokens() -> None:
     torch.testing.assert_close(out[rows].double(), ref.reshape(8, 32), atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="causal"):
         core(mask=AttnMaskType.no_mask)(q, k, v, None, packed_seq_params=params)
+
+
+def test_per_micro_batch_cp_size_is_refused_by_name() -> None:
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = torch.tensor([0, 4, 6], dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, local_cp_size=2)
+    q, k, v = (torch.randn(6, h, 8) for h in (4, 2, 2))
+    with pytest.raises(ValueError, match="local_cp_size=2.*hybrid"):
+        core()(q, k, v, None, packed_seq_params=params)

@@ -1,0 +1,167 @@
+"""Megatron path guards: plans follow refilled ``cu_seqlens``; sequence parallelism never hangs
+on token counts it cannot scatter; per-call CP groups are refused by name, on every rank."""
+
+from __future__ import annotations
+
+import contextlib
+from unittest import mock
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from megatron_cp_ext.testing.pool import run_on_ranks  # noqa: E402
+
+HIDDEN = 32
+
+
+def _block(cp: int, **extra):
+    from megatron.core.transformer.transformer_block import TransformerBlock
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_cp_ext.megatron import CPAttentionOptions, get_gpt_layer_cp_spec
+
+    config = TransformerConfig(
+        num_layers=2, hidden_size=HIDDEN, num_attention_heads=4, num_query_groups=2, context_parallel_size=cp,
+        hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return TransformerBlock(config, get_gpt_layer_cp_spec(options=CPAttentionOptions(**extra)))
+
+
+def refill_case(rank: int, world: int) -> list[float]:
+    """Worker: one static ``cu_seqlens`` buffer refilled per micro-batch (plain params, and
+    params made by make_packed_seq_params) gives what fresh params give, micro-batch by micro-batch."""
+    from megatron.core import parallel_state
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    import megatron_cp_ext as mcx
+    from megatron_cp_ext.megatron import CPRotaryEmbedding, make_packed_seq_params
+    from megatron_cp_ext.testing.megatron import setup_parallel_state
+
+    setup_parallel_state(world)
+    group = parallel_state.get_context_parallel_group()
+    block = _block(world)
+    table = CPRotaryEmbedding(8)(64)
+    micro_batches = [[8, 24, 4, 12], [16, 4, 20, 8], [4, 4, 36, 4]]  # one shape, new values each step
+    x = torch.randn(48, 1, HIDDEN, generator=torch.Generator().manual_seed(1))
+    buf = torch.zeros(5, dtype=torch.int32)
+    plain = PackedSeqParams(qkv_format="thd", cu_seqlens_q=buf, cu_seqlens_kv=buf, max_seqlen_q=64, max_seqlen_kv=64)
+    ours = make_packed_seq_params([0, *torch.tensor(micro_batches[0]).cumsum(0).tolist()], cp_group=group)
+    diffs = []
+    for lengths in micro_batches:
+        cu = torch.tensor([0, *lengths]).cumsum(0)
+        buf.copy_(cu)
+        ours.cu_seqlens_q.copy_(cu)
+        for params, sharding, fresh in (
+            (plain, mcx.te_thd_sharding(cu, world), PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu.int())),
+            (ours, mcx.shard_sequences(cu, world), make_packed_seq_params(cu, cp_group=group)),
+        ):
+            x_loc = sharding.shard(x, rank)
+            with torch.no_grad():
+                y = block(x_loc, attention_mask=None, rotary_pos_emb=table, packed_seq_params=params)
+                y_ref = block(x_loc, attention_mask=None, rotary_pos_emb=table, packed_seq_params=fresh)
+            diffs.append((y - y_ref).abs().max().item())
+    return diffs
+
+
+def test_refilled_cu_seqlens_rebuild_the_plan() -> None:
+    for rank, diffs in enumerate(run_on_ranks(2, refill_case)):
+        assert len(diffs) == 6 and max(diffs) == 0.0, (rank, diffs)
+
+
+@contextlib.contextmanager
+def _megatron_on_cpu():
+    """Megatron's TP collectives allocate on "the current CUDA device" (the CPU here) and
+    sequence parallelism forks the CUDA RNG for dropout (0 here); its torch LayerNorm stand-in
+    refuses sequence parallelism although a LayerNorm is per token."""
+    from megatron.core import tensor_parallel
+    from megatron.core.transformer import torch_norm
+
+    tracker = type(tensor_parallel.get_cuda_rng_tracker())
+    plain_norm = lambda cls, config, hidden_size, eps=1e-5, **_: torch.nn.LayerNorm(hidden_size, eps=eps)  # noqa: E731
+    with (
+        mock.patch.object(torch.cuda, "current_device", lambda: "cpu"),
+        mock.patch.object(tracker, "fork", lambda *a, **k: contextlib.nullcontext()),
+        mock.patch.object(torch_norm.WrappedTorchNorm, "__new__", plain_norm),
+    ):
+        yield
+
+
+def sp_case(rank: int, world: int, how: str) -> tuple[str, str]:
+    """Worker (TP 2 + SP, CP 2): a 7-token batch cannot give every CP rank a token count that
+    TP 2 divides. Returns (exception type, message) — never hangs."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    import megatron_cp_ext as mcx
+    from megatron_cp_ext.megatron import CPAttentionOptions, cp_layer_spec, install_cp_rope, shard_batch_for_cp
+    from megatron_cp_ext.testing.megatron import setup_parallel_state
+
+    setup_parallel_state(2, tp=2)
+    cu = torch.tensor([0, 3, 7])
+    tokens = torch.arange(7)[None] % 5
+    try:
+        if how == "split":  # megatron_cp_ext's batch split refuses before anything runs
+            shard_batch_for_cp({"tokens": tokens}, cu_seqlens=cu)
+            return ("no error", "")
+        config = TransformerConfig(
+            num_layers=1, hidden_size=HIDDEN, num_attention_heads=4, context_parallel_size=2,
+            tensor_model_parallel_size=2, sequence_parallel=True, hidden_dropout=0.0, attention_dropout=0.0,
+            use_cpu_initialization=True,
+        )  # fmt: skip
+        with _megatron_on_cpu():
+            spec = cp_layer_spec(config, options=CPAttentionOptions(load_balance="workload"))
+            model = install_cp_rope(GPTModel(config, spec, vocab_size=8, max_sequence_length=16))
+            # A pipeline's own split with shard_sequences, handed over as plain PackedSeqParams.
+            sharding = mcx.shard_sequences(cu, 2)
+            local = sharding.shard(tokens, parallel_state.get_context_parallel_rank(), dim=1)
+            params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu.int(), cu_seqlens_kv=cu.int())
+            model(local, sharding.positions(parallel_state.get_context_parallel_rank())[None], None,
+                  packed_seq_params=params)  # fmt: skip
+        return ("no error", "")
+    except Exception as err:  # noqa: BLE001 - the point is which error each rank gets
+        return (type(err).__name__, str(err))
+
+
+def test_sequence_parallel_split_refuses_the_same_way_on_every_rank() -> None:
+    results = run_on_ranks(4, sp_case, "split", timeout=120)
+    assert len(set(results)) == 1, results
+    kind, msg = results[0]
+    assert kind == "CPArgumentError" and "multiple of 2" in msg, results
+
+
+def test_sequence_parallel_counts_it_cannot_scatter_never_hang() -> None:
+    """A CP rank with an odd count fails in Megatron's own scatter (before any collective);
+    every other rank refuses in its first attention layer instead of waiting for it."""
+    results = run_on_ranks(4, sp_case, "model", timeout=120)  # a hang would time out here
+    assert all(kind != "no error" for kind, _ in results), results
+    ours = [msg for kind, msg in results if kind == "CPArgumentError"]
+    assert ours and all("sequence parallelism (TP 2)" in msg for msg in ours), results
+
+
+def group_case(rank: int, world: int) -> str:
+    """Worker: PackedSeqParams carrying another CP group than the layer's (Megatron's hybrid CP)."""
+    import torch.distributed as dist
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from megatron_cp_ext.testing.megatron import setup_parallel_state
+
+    setup_parallel_state(world)
+    singles = [dist.new_group([r]) for r in range(world)]  # collective: every rank makes all
+    block = _block(world)
+    cu = torch.tensor([0, 8, 16], dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cp_group=singles[rank])
+    try:
+        block(torch.randn(8, 1, HIDDEN), attention_mask=None, packed_seq_params=params)
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def test_per_call_cp_group_is_refused_on_every_rank() -> None:
+    for msg in run_on_ranks(2, group_case, timeout=120):
+        assert "PackedSeqParams.cp_group" in msg and "hybrid CP" in msg, msg
