@@ -22,7 +22,7 @@ import torch
 from .sharding import CPSharding, check_cu_seqlens
 from .validation import CPArgumentError, as_int
 
-__all__ = ["TE_LAYOUT", "te_thd_sharding"]
+__all__ = ["TE_LAYOUT", "separate_padding", "te_thd_sharding"]
 
 TE_LAYOUT = "te"
 """Name of this layout (``CPSharding.balance``, ``load_balance=``, ``shard_batch_for_cp(balance=)``)."""
@@ -58,3 +58,33 @@ def te_thd_sharding(
         rows = np.stack([seq, first, first + chunk, seq, second, second + chunk], axis=1)
         per_rank.append(rows.reshape(-1, 3))  # sequence after sequence: chunk r, then 2cp-1-r
     return CPSharding._of(cu, per_rank, TE_LAYOUT)
+
+
+def separate_padding(sharding: CPSharding, cu_seqlens_real: Sequence[int], *, name: str = "cu_seqlens") -> CPSharding:
+    """The same token placement, with every sequence's padding as a sequence of its own.
+
+    ``sharding`` is over the padded batch (``cu_seqlens_padded``); ``cu_seqlens_real`` gives the
+    real length of each sequence, whose padding sits at its end. Sequence i becomes sequences
+    ``2i`` (its real tokens) and ``2i+1`` (its padding), and each segment is cut at the border,
+    so every rank keeps its tokens in the same local order. Real tokens then never see padding
+    under any mask, and padding sees only padding: exact attention (and max logits) on the real
+    tokens, as TransformerEngine computes with ``cu_seqlens`` beside ``cu_seqlens_padded``.
+    """
+    cu = np.asarray(sharding.cu_seqlens, dtype=np.int64)
+    real = np.diff(np.asarray(check_cu_seqlens(cu_seqlens_real, name), dtype=np.int64))
+    padded = np.diff(cu)
+    if len(real) != len(padded) or (real > padded).any():
+        raise CPArgumentError(
+            f"{name} must describe the same sequences as the padded cu_seqlens, each no longer than its padded "
+            f"slot: real lengths {real.tolist()[:8]}, padded {padded.tolist()[:8]}"
+        )
+    lens = np.stack([real, padded - real], axis=1).reshape(-1)
+    per_rank = []
+    for r in range(sharding.cp_size):
+        seg = sharding.rank_segments(r)
+        seq, start, end, border = seg[:, 0], seg[:, 1], seg[:, 2], real[seg[:, 0]]
+        head = np.stack([2 * seq, start, np.minimum(end, border)], axis=1)
+        tail = np.stack([2 * seq + 1, np.maximum(start, border) - border, end - border], axis=1)
+        rows = np.stack([head, tail], axis=1).reshape(-1, 3)  # head before tail: local order kept
+        per_rank.append(rows[rows[:, 2] > rows[:, 1]])
+    return CPSharding._of([0, *np.cumsum(lens).tolist()], per_rank, sharding.balance)

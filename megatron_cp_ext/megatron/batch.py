@@ -103,7 +103,7 @@ def make_packed_seq_params(
         max_seqlen_kv=max_len,
         cp_group=cp_group,
     )
-    ctx = CPBatchContext(sharding=sharding, rank=rank, recipe=recipe, source=cu_dev, version=version_of(cu_dev))
+    ctx = CPBatchContext(sharding=sharding, rank=rank, recipe=recipe, source=(cu_dev,), version=(version_of(cu_dev),))
     setattr(params, CONTEXT_ATTR, ctx)
     return params
 

@@ -20,7 +20,7 @@ import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from ..sharding import BALANCES, CPSharding, check_cu_seqlens, shard_sequences
-from ..te_layout import TE_LAYOUT, te_thd_sharding
+from ..te_layout import TE_LAYOUT, separate_padding, te_thd_sharding
 from ..validation import CPArgumentError
 
 __all__ = [
@@ -76,10 +76,10 @@ class CPBatchContext:
     """This rank's index in the CP group."""
     recipe: ShardRecipe = field(default_factory=ShardRecipe)
     """How :attr:`sharding` was made (re-applied when ``cu_seqlens`` change in place)."""
-    source: Any = None
-    """The ``cu_seqlens`` tensor the context was derived from (detects a reused params object)."""
-    version: int = -1
-    """``source``'s version counter then: an in-place refill bumps it, without a device sync."""
+    source: tuple = ()
+    """The ``cu_seqlens`` tensors the context was derived from (detects a reused params object)."""
+    version: tuple = ()
+    """Their version counters then: an in-place refill bumps one, without a device sync."""
     _positions: dict = field(default_factory=dict, repr=False)
 
     def positions(self, device: torch.device | str) -> torch.Tensor:
@@ -91,9 +91,13 @@ class CPBatchContext:
             self._positions[device] = pos
         return pos
 
-    def describes(self, cu: torch.Tensor) -> bool:
-        """Whether ``cu`` is still the tensor, with the values, this context was made from."""
-        return self.source is cu and self.version == version_of(cu)
+    def describes(self, sources: tuple) -> bool:
+        """Whether ``sources`` are still the tensors, with the values, this context was made from."""
+        return (
+            len(sources) == len(self.source)
+            and all(a is b for a, b in zip(sources, self.source))
+            and self.version == tuple(version_of(t) for t in sources)
+        )
 
 
 def version_of(t: torch.Tensor) -> int:
@@ -178,6 +182,13 @@ def derive_recipe(params: PackedSeqParams, balance: str) -> ShardRecipe:
     return ShardRecipe(balance=balance)
 
 
+def _sources(params: PackedSeqParams) -> tuple:
+    """The tensors a context depends on: where tokens sit and, with padding, the real lengths."""
+    cu = _layout_cu_seqlens(params)
+    real = params.cu_seqlens_q
+    return (cu,) if params.cu_seqlens_q_padded is None or real is None or real is cu else (cu, real)
+
+
 def cp_context(params: PackedSeqParams, cp_size: int, cp_rank: int, balance: str = "te") -> CPBatchContext:
     """The micro-batch's :class:`CPBatchContext`, cached on ``params``.
 
@@ -186,9 +197,9 @@ def cp_context(params: PackedSeqParams, cp_size: int, cp_rank: int, balance: str
     ``cu_seqlens`` tensor is the same object with the same version counter; an in-place
     refill (or a new tensor) re-shards with the same recipe.
     """
-    cu = _layout_cu_seqlens(params)
+    sources = _sources(params)
     ctx = getattr(params, CONTEXT_ATTR, None)
-    if ctx is not None and ctx.describes(cu):
+    if ctx is not None and ctx.describes(sources):
         if ctx.sharding.cp_size != cp_size or ctx.rank != cp_rank:
             raise CPArgumentError(
                 f"PackedSeqParams was built for CP size {ctx.sharding.cp_size} rank {ctx.rank}, "
@@ -198,12 +209,13 @@ def cp_context(params: PackedSeqParams, cp_size: int, cp_rank: int, balance: str
     recipe = ctx.recipe if ctx is not None else derive_recipe(params, balance)
     _check_self_attention(params)
     # One host copy per micro-batch (a sync if cu lives on the GPU); never per layer.
-    version = version_of(cu)
+    version = tuple(version_of(t) for t in sources)
+    cu_host = [host_cu_seqlens(t) for t in sources]
     name = "PackedSeqParams.cu_seqlens_q" + ("_padded" if params.cu_seqlens_q_padded is not None else "")
     try:
-        sharding = recipe.build(host_cu_seqlens(cu), cp_size, name)
+        sharding = recipe.build(cu_host[0], cp_size, name)
     except CPArgumentError as err:
-        if ctx is not None:
+        if ctx is not None or isinstance(err, TypeError):
             raise
         raise CPArgumentError(
             f"{err}. PackedSeqParams without a megatron_cp_ext sharding are taken to be split by "
@@ -211,6 +223,8 @@ def cp_context(params: PackedSeqParams, cp_size: int, cp_rank: int, balance: str
             "megatron_cp_ext.megatron.shard_batch_for_cp (its packed_seq_params carry the split), or set "
             "load_balance (--cp-load-balance) to the balance the batch was split with"
         ) from err
-    ctx = CPBatchContext(sharding=sharding, rank=cp_rank, recipe=recipe, source=cu, version=version)
+    if len(cu_host) == 2:
+        sharding = separate_padding(sharding, cu_host[1], name="PackedSeqParams.cu_seqlens_q")
+    ctx = CPBatchContext(sharding=sharding, rank=cp_rank, recipe=recipe, source=sources, version=version)
     setattr(params, CONTEXT_ATTR, ctx)
     return ctx

@@ -321,10 +321,6 @@ class CPCoreAttention(MegatronModule):
             **self._engine_kwargs,
         )
         if thd:
-            if packed_seq_params.cu_seqlens_q_padded is not None and not kwargs["causal"]:
-                # Padded layouts put pad tokens at each sequence's end; only a causal mask
-                # keeps real tokens from seeing them.
-                raise ValueError("padded cu_seqlens (cu_seqlens_q_padded) are supported with causal masks only")
             ctx = self.batch_context(packed_seq_params)
             out = cp_attention(query, key, value, qkv_format="thd", sharding=ctx.sharding, **kwargs)
             return out.reshape(out.shape[0], -1)

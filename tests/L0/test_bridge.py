@@ -94,7 +94,7 @@ def test_spec_is_built_the_way_bridge_builds_it() -> None:
         assert attn.module is CPSelfAttention
         core = attn.submodules.core_attention
         assert core.func is CPCoreAttention
-        assert core.keywords["options"].chunk_size == 64 and core.keywords["options"].load_balance == "workload"
+        assert core.keywords["options"].chunk_size == 64 and core.keywords["options"].load_balance == "te"
     assert model.cp_comm_type == ["p2p", "all_gather", "a2a", "p2p"]
 
 

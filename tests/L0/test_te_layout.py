@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import megatron_cp_ext as mcx
+from megatron_cp_ext.te_layout import separate_padding
 
 
 def te_indices(cu: list[int], cp: int, rank: int) -> list[int]:
@@ -82,7 +83,31 @@ def test_padded_cu_seqlens_mean_the_te_split_whatever_the_balance() -> None:
 
     real, padded = torch.tensor([0, 3, 8]), torch.tensor([0, 4, 12])
     ctx = cp_context(_plain(real, padded), 2, 0, "workload")
-    assert ctx.sharding.balance == "te" and ctx.sharding.cu_seqlens == (0, 4, 12)
+    assert ctx.sharding.balance == "te" and ctx.sharding.cu_seqlens == (0, 3, 4, 9, 12)
     with pytest.raises(mcx.CPArgumentError, match="cu_seqlens_q describe sequence 0 of length 3.*shard_batch_for_cp"):
         cp_context(_plain(real), 2, 0)  # Megatron's split cannot have produced these lengths
     assert cp_context(_plain(real), 2, 0, "workload").sharding.balance == "workload"
+
+
+def test_padding_becomes_sequences_of_its_own_in_the_same_local_order() -> None:
+    padded = [0, 8, 16, 24]
+    real = [0, 5, 13, 13]  # 5 real of 8, 8 real of 8, 0 real of 8
+    te = mcx.te_thd_sharding(padded, 2)
+    split = separate_padding(te, real)
+    assert split.cu_seqlens == (0, 5, 8, 16, 16, 16, 24)
+    for rank in range(2):  # same global tokens, same order: the data split needs no change
+        assert split.global_index(rank).tolist() == te.global_index(rank).tolist()
+    with pytest.raises(mcx.CPArgumentError, match="no longer than its padded slot"):
+        separate_padding(te, [0, 9, 13, 13])
+
+
+def test_padded_context_keeps_padding_apart() -> None:
+    pytest.importorskip("megatron.core")
+    from megatron_cp_ext.megatron.context import cp_context
+
+    real, padded = torch.tensor([0, 3, 8]), torch.tensor([0, 4, 12])
+    ctx = cp_context(_plain(real, padded), 2, 0)
+    assert ctx.sharding.cu_seqlens == (0, 3, 4, 9, 12)
+    real.copy_(torch.tensor([0, 4, 6]))  # the real lengths alone refilled: the context follows
+    assert cp_context(ctx_params := _plain(real, padded), 2, 0).sharding.cu_seqlens == (0, 4, 4, 6, 12)
+    assert cp_context(ctx_params, 2, 0) is cp_context(ctx_params, 2, 0)
