@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["attn_fwd", "attn_bwd"]
+__all__ = ["attn_fwd", "attn_bwd", "max_logit"]
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, window: tuple[int, int]) -> None:
@@ -230,3 +230,24 @@ def attn_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
         z = lambda x: torch.zeros(x.shape, dtype=ct, device=x.device)  # noqa: E731
         return z(q), z(k), z(v)
     return torch.cat(dqs), torch.cat(dks), torch.cat(dvs)
+
+
+def max_logit(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, scale) -> torch.Tensor:
+    """Per query head, the largest scaled logit ``scale * q.k`` over the pairs this call sees.
+
+    ``q [N,H,D], k [M,K,D] -> [H]`` float32; ``-inf`` for a head that sees no pair. Computed
+    exactly from the scores (the same visibility as :func:`attn_fwd`), never from the lse,
+    which only bounds it. Only runs when a caller asks for max logits (QK-clip, logging).
+    """
+    _check(q, k, k, causal, window)
+    ct, hk = _compute_dtype(q), k.shape[1]
+    best = q.new_full((q.shape[1],), float("-inf"), dtype=torch.float32)
+    for grp in _entry_groups(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+        cu_q, cu_k = grp.cu_q.to(q.device), grp.cu_k.to(q.device)
+        qh = _query_side(q, grp, cu_q, hk, ct)
+        kh = _heads(_pad(_rows_of(k, grp, True).to(ct), cu_k, grp.wk))
+        vis = _visibility(cu_q, cu_k, grp.wq, grp.wk, causal, window)
+        s = ((qh * scale) @ kh.transpose(-1, -2)).view(kh.shape[0], hk, -1, grp.wq, grp.wk)
+        s = torch.where(vis[:, None, None], s, float("-inf"))
+        best = torch.maximum(best, s.amax(dim=(0, 3, 4)).flatten().float())
+    return best
