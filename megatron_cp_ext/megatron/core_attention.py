@@ -32,6 +32,7 @@ from ..groups import HierarchicalCPGroups
 from ..sharding import BALANCES
 from ..validation import CPArgumentError, as_bool, as_choice, as_chunk, as_window
 from .batch import cp_context
+from .qk_clip import record_max_logit, wants_max_logits
 from .sinks import install_softmax_offset, offset_sharded_state_dict
 
 __all__ = ["CPAttentionOptions", "CPCoreAttention", "hierarchical_groups_from_sizes", "resolve_cp_comm_type"]
@@ -188,6 +189,9 @@ class CPCoreAttention(MegatronModule):
         self.window_size = as_window(window, "config.window_size") if use_window else (-1, -1)
         self.chunk_size = self.options.chunk_size or getattr(config, "attention_chunk_size", None)
         self.softmax_scale = softmax_scale
+        # QK-clip / max-logit logging: Megatron reads and resets this (see .qk_clip)
+        self.current_max_attn_logits: torch.Tensor | None = None
+        self._max_logits = wants_max_logits(config)
         self._engine_kwargs = {"backend": self.options.backend} if self.options.backend != "auto" else {}
         if self.options.check:
             self._engine_kwargs["check"] = True
@@ -265,7 +269,15 @@ class CPCoreAttention(MegatronModule):
                 raise ValueError("padded cu_seqlens (cu_seqlens_q_padded) are supported with causal masks only")
             balance = self.options.load_balance
             ctx = cp_context(packed_seq_params, self.cp_size, self.cp_rank, balance, **self.balance_mask)
-            out = cp_attention(query, key, value, qkv_format="thd", sharding=ctx.sharding, **kwargs)
+            out = self._attend(query, key, value, qkv_format="thd", sharding=ctx.sharding, **kwargs)
             return out.reshape(out.shape[0], -1)
-        out = cp_attention(query, key, value, qkv_format="sbhd", **kwargs)
+        out = self._attend(query, key, value, qkv_format="sbhd", **kwargs)
         return out.reshape(out.shape[0], out.shape[1], -1)
+
+    def _attend(self, query, key, value, **kwargs: Any) -> torch.Tensor:
+        """``cp_attention``, recording the max logits when Megatron asks for them."""
+        if not self._max_logits:
+            return cp_attention(query, key, value, **kwargs)
+        out, max_logit = cp_attention(query, key, value, return_max_logit=True, **kwargs)
+        record_max_logit(self, max_logit)
+        return out
