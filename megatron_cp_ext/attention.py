@@ -335,6 +335,7 @@ def cp_attention(
             ``[hq]`` float32, the same on every CP rank, ``-inf`` for a head that sees nothing;
             the sink does not count (:mod:`.schedules.max_logit`). For QK-clip and logging:
             an exact computation per local call plus one all-reduce(MAX); not differentiable.
+            Every rank must pass the same value.
 
     Returns:
         ``[t, hq, dv]`` (or the bshd/sbhd equivalent), differentiable w.r.t. q, k, v; with
@@ -354,6 +355,7 @@ def cp_attention(
     known = _Known()
     try:
         c = _prepare(q, k, v, args, known)
+        return_max_logit = as_bool(return_max_logit, "return_max_logit")
     except (ValueError, TypeError) as err:
         agr.raise_everywhere(err, known.groups, known.cp_size, known.cp_rank)
         raise  # unreachable: raise_everywhere always raises

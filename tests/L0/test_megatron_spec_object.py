@@ -41,6 +41,12 @@ def _spec_the_megatron_lm_way():
     return import_module(["megatron_cp_ext.megatron.spec", "gpt_layer_spec"])  # args.spec, as parsed
 
 
+def _mlp_class(mlp) -> str:
+    """The MLP class a layer spec names (a ModuleSpec, or a partial from megatron-core 0.18 on)."""
+    target = getattr(mlp, "func", None) or getattr(mlp, "module", None)
+    return getattr(target, "__name__", "") if isinstance(target, type) else ""
+
+
 def spec_object_case(rank: int, world: int, setting: dict) -> dict:
     """Worker (1 rank): GPTModel from the --spec object vs Megatron's block spec, and its weights
     and output vs a GPTModel from explicit per-layer ``get_gpt_layer_cp_spec`` specs (same seed)."""
@@ -67,7 +73,7 @@ def spec_object_case(rank: int, world: int, setting: dict) -> dict:
         return m
 
     ours = model(_spec_the_megatron_lm_way())
-    moe = [getattr(getattr(s.submodules.mlp, "module", None), "__name__", "") == "MoELayer" for s in theirs.layer_specs]
+    moe = [_mlp_class(s.submodules.mlp) == "MoELayer" for s in theirs.layer_specs]
     explicit = []
     for is_moe in moe:
         kw = _local_spec_kwargs(cfg) | ({} if is_moe else {"num_experts": None, "moe_grouped_gemm": False})
