@@ -111,6 +111,8 @@ class _Call:
     """a2a head shards (:func:`.schedules.heads.split_heads`), None for other comm types."""
     offset: torch.Tensor | None
     """Softmax offset (attention sink) per query head, or None."""
+    max_logit: bool = False
+    """``return_max_logit``: also run the max-logit all-reduce (must agree across ranks)."""
 
 
 def _prepare(q, k, v, a: dict, known: _Known) -> _Call:
@@ -215,7 +217,7 @@ def _signature(c: _Call, state: dict) -> tuple[int, ...]:
         scale=agr.float_bits(c.scale), backend=("reference", "flash").index(c.backend.__name__.rsplit(".", 1)[-1]),
         grad=c.grad, sink=c.offset is not None,
         cu_crc=state["cu_crc"], total_tokens=state["total_tokens"], num_seqs=state["num_seqs"],
-        seg_crc=state["seg_crc"], tokens=s.tokens, rank_tokens=c.sharding.num_tokens(g.rank),
+        seg_crc=state["seg_crc"], tokens=s.tokens, rank_tokens=c.sharding.num_tokens(g.rank), max_logit=c.max_logit,
     )  # fmt: skip
 
 
@@ -355,17 +357,17 @@ def cp_attention(
     known = _Known()
     try:
         c = _prepare(q, k, v, args, known)
-        return_max_logit = as_bool(return_max_logit, "return_max_logit")
+        c.max_logit = as_bool(return_max_logit, "return_max_logit")
     except (ValueError, TypeError) as err:
         agr.raise_everywhere(err, known.groups, known.cp_size, known.cp_rank)
         raise  # unreachable: raise_everywhere always raises
     _agree(c)
     plan = _get_plan(c)
-    max_logit, heads = _max_logit_accumulator(c, plan) if return_max_logit else (None, None)
+    max_logit, heads = _max_logit_accumulator(c, plan) if c.max_logit else (None, None)
     out = _dispatch(c, plan, max_logit)
     if c.seq_dims is not None:
         out = _thd_to_seq(out, c)
-    if not return_max_logit:
+    if not c.max_logit:
         return out
     return out, reduce_max_logit(max_logit, c.groups, c.shapes.hq, heads)
 
