@@ -33,14 +33,14 @@ ERROR_WAIT_S = 60.0
 """How long a rank with an invalid argument waits for the others to join the exchange before
 raising its error alone (they may be running attention on a cached plan; see check mode)."""
 
-_MAGIC = 0x4D4358_0B  # "MCX", signature layout 11: a rank with another layout never matches
+_MAGIC = 0x4D4358_0C  # "MCX", signature layout 12: a rank with another layout never matches
 _MSG_LEN = 1024
 
 FIELDS = (
     "magic", "error", "global_rank", "cp_rank", "comm_type", "cp_size", "a2a_size",
     "a2a_name", "a2a_members", "p2p_name", "p2p_members", "qkv_format", "check", "batch", "seq_local",
     "dtype", "device", "hq", "hkv", "dqk", "dv", "causal", "left", "right", "chunk", "scale", "backend",
-    "grad", "sink", "cu_crc", "total_tokens", "num_seqs", "seg_crc", "tokens", "rank_tokens",
+    "grad", "sink", "cu_crc", "total_tokens", "num_seqs", "seg_crc", "tokens", "rank_tokens", "max_logit",
 )  # fmt: skip
 """Signature layout (one int64 each); -1 where an erroring rank could not tell."""
 
@@ -177,6 +177,7 @@ _AGREE: list[tuple[tuple[str, ...], str, str, Callable]] = [
     (("a2a_size",), "cp_group", " (a2a group size)", str),
     (("qkv_format",), "qkv_format", "", _name(_FORMATS)),
     (("check",), "check", "", lambda x: repr(bool(x))),
+    (("max_logit",), "return_max_logit", " (the max-logit all-reduce)", lambda x: repr(bool(x))),
     (("batch",), "q", " (batch size, bshd/sbhd)", str),
     (("seq_local",), "q", " (local sequence length, bshd/sbhd)", str),
     (("dtype",), "dtype", " (of q, k, v)", _name(tuple(str(d) for d in DTYPES))),

@@ -28,6 +28,7 @@ from .groups import CPGroups, GroupInfo, cp_groups, ranks_crc
 from .masks import MaskSpec
 from .schedules import SCHEDULES, a2a, build_plan
 from .schedules.common import Run, apply_sink, sink_grad
+from .schedules.max_logit import new_max_logit, reduce_max_logit
 from .schedules.p2p import P2PPlan
 from .sharding import CPSharding, shard_sequences
 from .validation import (
@@ -110,6 +111,8 @@ class _Call:
     """a2a head shards (:func:`.schedules.heads.split_heads`), None for other comm types."""
     offset: torch.Tensor | None
     """Softmax offset (attention sink) per query head, or None."""
+    max_logit: bool = False
+    """``return_max_logit``: also run the max-logit all-reduce (must agree across ranks)."""
 
 
 def _prepare(q, k, v, a: dict, known: _Known) -> _Call:
@@ -214,7 +217,7 @@ def _signature(c: _Call, state: dict) -> tuple[int, ...]:
         scale=agr.float_bits(c.scale), backend=("reference", "flash").index(c.backend.__name__.rsplit(".", 1)[-1]),
         grad=c.grad, sink=c.offset is not None,
         cu_crc=state["cu_crc"], total_tokens=state["total_tokens"], num_seqs=state["num_seqs"],
-        seg_crc=state["seg_crc"], tokens=s.tokens, rank_tokens=c.sharding.num_tokens(g.rank),
+        seg_crc=state["seg_crc"], tokens=s.tokens, rank_tokens=c.sharding.num_tokens(g.rank), max_logit=c.max_logit,
     )  # fmt: skip
 
 
@@ -297,7 +300,8 @@ def cp_attention(
     softmax_offset: torch.Tensor | None = None,
     backend: str = "auto",
     check: bool = False,
-) -> torch.Tensor:
+    return_max_logit: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Context-parallel attention over this rank's shard of packed sequences.
 
     Args:
@@ -328,9 +332,16 @@ def cp_attention(
             host sync per call), not only the first call of each micro-batch: rank-local
             drift on a cached plan then raises on every rank instead of hanging. Every rank
             must pass the same value. See ``docs/reliability.md``.
+        return_max_logit: also return, per query head, the largest scaled logit
+            ``softmax_scale * q.k`` over every visible pair of the whole (global) batch —
+            ``[hq]`` float32, the same on every CP rank, ``-inf`` for a head that sees nothing;
+            the sink does not count (:mod:`.schedules.max_logit`). For QK-clip and logging:
+            an exact computation per local call plus one all-reduce(MAX); not differentiable.
+            Every rank must pass the same value.
 
     Returns:
-        ``[t, hq, dv]`` (or the bshd/sbhd equivalent), differentiable w.r.t. q, k, v.
+        ``[t, hq, dv]`` (or the bshd/sbhd equivalent), differentiable w.r.t. q, k, v; with
+        ``return_max_logit``, the pair ``(out, max_logit)``.
 
     Raises:
         CPArgumentError (a ValueError; :class:`CPArgumentTypeError` is also a TypeError) for a
@@ -346,13 +357,23 @@ def cp_attention(
     known = _Known()
     try:
         c = _prepare(q, k, v, args, known)
+        c.max_logit = as_bool(return_max_logit, "return_max_logit")
     except (ValueError, TypeError) as err:
         agr.raise_everywhere(err, known.groups, known.cp_size, known.cp_rank)
         raise  # unreachable: raise_everywhere always raises
     _agree(c)
-    out = _dispatch(c, _get_plan(c))
-    if c.seq_dims is None:
+    plan = _get_plan(c)
+    max_logit, heads = _max_logit_accumulator(c, plan) if c.max_logit else (None, None)
+    out = _dispatch(c, plan, max_logit)
+    if c.seq_dims is not None:
+        out = _thd_to_seq(out, c)
+    if not c.max_logit:
         return out
+    return out, reduce_max_logit(max_logit, c.groups, c.shapes.hq, heads)
+
+
+def _thd_to_seq(out: torch.Tensor, c: _Call) -> torch.Tensor:
+    """Inverse of :func:`_rows_to_thd` for the output (bshd/sbhd)."""
     b, s_local = c.seq_dims
     halves = 2 if c.sharding.cp_size > 1 else 1
     out = out.view(halves, b, s_local // halves, *out.shape[1:])
@@ -361,8 +382,15 @@ def cp_attention(
     return out.transpose(0, 1).reshape(b, s_local, *out.shape[3:])
 
 
-def _dispatch(c: _Call, plan) -> torch.Tensor:
-    run = Run(plan=plan, group=c.groups.p2p, backend=c.backend, scale=c.scale, dk=c.shapes.dqk)
+def _max_logit_accumulator(c: _Call, plan) -> tuple[torch.Tensor, tuple[int, int] | None]:
+    """The running-max accumulator for the heads this rank computes (its a2a share, or all)."""
+    heads = c.heads[0][plan.member] if isinstance(plan, a2a.A2APlan) else None
+    n = heads[1] - heads[0] if heads is not None else c.shapes.hq
+    return new_max_logit(n, c.q.device), heads
+
+
+def _dispatch(c: _Call, plan, max_logit: torch.Tensor | None = None) -> torch.Tensor:
+    run = Run(plan=plan, group=c.groups.p2p, backend=c.backend, scale=c.scale, dk=c.shapes.dqk, max_logit=max_logit)
     if isinstance(plan, a2a.A2APlan):
         return a2a.attention(c.q, c.k, c.v, run, c.groups.a2a, c.groups.p2p, c.heads, c.offset)
     schedule = SCHEDULES["p2p"] if isinstance(plan, P2PPlan) else SCHEDULES["all_gather"]

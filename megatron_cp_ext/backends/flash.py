@@ -13,7 +13,11 @@ import importlib.util
 import torch
 import torch.nn.functional as F
 
-__all__ = ["HAS_FLASH_ATTN", "attn_fwd", "attn_bwd"]
+# Max logits: a separate exact computation on the scores, run only when requested (flash kernels
+# return the lse, which only bounds the max).
+from .reference import max_logit  # noqa: F401
+
+__all__ = ["HAS_FLASH_ATTN", "attn_fwd", "attn_bwd", "max_logit"]
 
 HAS_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
 

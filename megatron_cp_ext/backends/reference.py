@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["attn_fwd", "attn_bwd"]
+__all__ = ["attn_fwd", "attn_bwd", "max_logit"]
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, window: tuple[int, int]) -> None:
@@ -117,20 +117,7 @@ def _unpad(xp: torch.Tensor, cu: torch.Tensor, rows: int) -> torch.Tensor:
 
 def _visibility(cu_q: torch.Tensor, cu_k: torch.Tensor, wq: int, wk: int, causal: bool, window) -> torch.Tensor:
     """``[E, Wq, Wk]`` bool: flash varlen visibility per entry (bottom-right aligned), padding off."""
-    dev = cu_q.device
-    lq, lk = (cu_q[1:] - cu_q[:-1])[:, None, None], (cu_k[1:] - cu_k[:-1])[:, None, None]
-    i = torch.arange(wq, device=dev)[None, :, None]
-    j = torch.arange(wk, device=dev)[None, None, :]
-    vis = (i < lq) & (j < lk)
-    diag = i + lk - lq
-    left, right = window
-    if causal:
-        right = 0
-    if right >= 0:
-        vis = vis & (j <= diag + right)
-    if left >= 0:
-        vis = vis & (j >= diag - left)
-    return vis
+    return _tile_visibility(cu_q, cu_k, (0, wq), (0, wk), causal, window)
 
 
 def _probs(qh, kh, vis, scale, lse=None):
@@ -230,3 +217,53 @@ def attn_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
         z = lambda x: torch.zeros(x.shape, dtype=ct, device=x.device)  # noqa: E731
         return z(q), z(k), z(v)
     return torch.cat(dqs), torch.cat(dks), torch.cat(dvs)
+
+
+MAX_LOGIT_TILE = 1024
+"""Query rows x key rows of one score tile in :func:`max_logit`: bounds its memory to
+``entries x heads x TILE^2`` scores whatever the call's length (on CUDA a call is one group
+padded to the plan's ``max_seqlen``, which may be long)."""
+
+
+def max_logit(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, scale) -> torch.Tensor:
+    """Per query head, the largest scaled logit ``scale * q.k`` over the pairs this call sees.
+
+    ``q [N,H,D], k [M,K,D] -> [H]`` float32; ``-inf`` for a head that sees no pair. Computed
+    exactly from the scores (the same visibility as :func:`attn_fwd`), never from the lse,
+    which only bounds it; in tiles of :data:`MAX_LOGIT_TILE` rows and keys, whose count is
+    known on the host (no sync). Only runs when a caller asks for max logits.
+    """
+    _check(q, k, k, causal, window)
+    ct, hk = _compute_dtype(q), k.shape[1]
+    best = q.new_full((q.shape[1],), float("-inf"), dtype=torch.float32)
+    t = MAX_LOGIT_TILE
+    for grp in _entry_groups(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+        cu_q, cu_k = grp.cu_q.to(q.device), grp.cu_k.to(q.device)
+        qp = _pad(_rows_of(q, grp, False).to(ct), cu_q, grp.wq).unflatten(2, (hk, -1))  # [E, Wq, K, G, D]
+        kp = _pad(_rows_of(k, grp, True).to(ct), cu_k, grp.wk)  # [E, Wk, K, D]
+        for i0 in range(0, grp.wq, t):
+            for j0 in range(0, grp.wk, t):
+                qt, kt = qp[:, i0 : i0 + t] * scale, kp[:, j0 : j0 + t]
+                s = torch.einsum("eikgd,ejkd->ekgij", qt, kt)
+                vis = _tile_visibility(cu_q, cu_k, (i0, i0 + qt.shape[1]), (j0, j0 + kt.shape[1]), causal, window)
+                s = torch.where(vis[:, None, None], s, float("-inf"))
+                best = torch.maximum(best, s.amax(dim=(0, 3, 4)).flatten().float())
+    return best
+
+
+def _tile_visibility(cu_q, cu_k, rows: tuple[int, int], cols: tuple[int, int], causal: bool, window) -> torch.Tensor:
+    """:func:`_visibility` restricted to padded rows ``[i0, i1)`` and keys ``[j0, j1)``."""
+    dev = cu_q.device
+    lq, lk = (cu_q[1:] - cu_q[:-1])[:, None, None], (cu_k[1:] - cu_k[:-1])[:, None, None]
+    i = torch.arange(*rows, device=dev)[None, :, None]
+    j = torch.arange(*cols, device=dev)[None, None, :]
+    vis = (i < lq) & (j < lk)
+    diag = i + lk - lq
+    left, right = window
+    if causal:
+        right = 0
+    if right >= 0:
+        vis = vis & (j <= diag + right)
+    if left >= 0:
+        vis = vis & (j >= diag - left)
+    return vis

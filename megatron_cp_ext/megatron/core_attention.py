@@ -31,6 +31,7 @@ from ..backends import BACKENDS
 from ..groups import HierarchicalCPGroups
 from ..validation import CPArgumentError, as_bool, as_choice, as_chunk, as_window
 from .context import LAYOUTS, CPBatchContext, check_token_multiple, cp_context
+from .qk_clip import record_max_logit, wants_max_logits
 from .sinks import install_softmax_offset, offset_sharded_state_dict
 
 __all__ = ["CPAttentionOptions", "CPCoreAttention", "hierarchical_groups_from_sizes", "resolve_cp_comm_type"]
@@ -41,8 +42,6 @@ _MASK_PADDED = {AttnMaskType.padding_causal: True, AttnMaskType.padding: False}
 _REFUSED_CONFIG_FLAGS = {
     "hybrid_context_parallel": "Megatron's hybrid (per-micro-batch) CP groups are not implemented; "
     "use a fixed context_parallel_size",
-    "qk_clip": "it reads the attention's max logits, which this core attention does not compute yet",
-    "log_max_attention_logit": "it reads the attention's max logits, which this core attention does not compute yet",
 }
 """Config flags whose feature needs something this core attention lacks: refused at build,
 instead of a size mismatch or a missing attribute deep inside a training step."""
@@ -225,6 +224,9 @@ class CPCoreAttention(MegatronModule):
         self.window_size = as_window(window, "config.window_size") if use_window else (-1, -1)
         self.chunk_size = self.options.chunk_size or getattr(config, "attention_chunk_size", None)
         self.softmax_scale = softmax_scale
+        # QK-clip / max-logit logging: Megatron reads and resets this (see .qk_clip)
+        self.current_max_attn_logits: torch.Tensor | None = None
+        self._max_logits = wants_max_logits(config)
         self._engine_kwargs = {"backend": self.options.backend} if self.options.backend != "auto" else {}
         if self.options.check:
             self._engine_kwargs["check"] = True
@@ -322,7 +324,15 @@ class CPCoreAttention(MegatronModule):
         )
         if thd:
             ctx = self.batch_context(packed_seq_params)
-            out = cp_attention(query, key, value, qkv_format="thd", sharding=ctx.sharding, **kwargs)
+            out = self._attend(query, key, value, qkv_format="thd", sharding=ctx.sharding, **kwargs)
             return out.reshape(out.shape[0], -1)
-        out = cp_attention(query, key, value, qkv_format="sbhd", **kwargs)
+        out = self._attend(query, key, value, qkv_format="sbhd", **kwargs)
         return out.reshape(out.shape[0], out.shape[1], -1)
+
+    def _attend(self, query, key, value, **kwargs: Any) -> torch.Tensor:
+        """``cp_attention``, recording the max logits when Megatron asks for them."""
+        if not self._max_logits:
+            return cp_attention(query, key, value, **kwargs)
+        out, max_logit = cp_attention(query, key, value, return_max_logit=True, **kwargs)
+        record_max_logit(self, max_logit)
+        return out

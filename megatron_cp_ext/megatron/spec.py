@@ -24,13 +24,14 @@ import copy
 import dataclasses
 import functools
 import inspect
+import sys
 from typing import Any
 
 import torch
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
-from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer, get_transformer_layer_offset
 from megatron.core.utils import get_pg_rank
@@ -51,7 +52,14 @@ except ImportError:  # pragma: no cover - older/newer megatron-core
 
 _FORWARD_SIGNATURE = inspect.signature(SelfAttention.forward)
 
-__all__ = ["CPSelfAttention", "CPTransformerLayer", "get_gpt_layer_cp_spec", "cp_layer_spec"]
+__all__ = [
+    "CPLayerFromConfig",
+    "CPSelfAttention",
+    "CPTransformerLayer",
+    "cp_layer_spec",
+    "get_gpt_layer_cp_spec",
+    "gpt_layer_spec",
+]
 
 
 class CPSelfAttention(SelfAttention):
@@ -245,6 +253,11 @@ def cp_layer_spec(
             f"cp_layer_spec builds one layer spec for every layer; moe_layer_freq={freq!r} mixes dense and MoE "
             "layers. Use moe_layer_freq=1, or build per-layer specs with get_gpt_layer_cp_spec(num_experts=...)"
         )
+    return get_gpt_layer_cp_spec(options=options, **_local_spec_kwargs(config))
+
+
+def _local_spec_kwargs(config: TransformerConfig) -> dict[str, Any]:
+    """``get_gpt_layer_local_spec`` keyword arguments that mirror ``config`` (see ``_CONFIG_FIELD``)."""
     accepted = inspect.signature(get_gpt_layer_local_spec).parameters
     kwargs = {
         arg: getattr(config, field, accepted[arg].default) for arg, field in _CONFIG_FIELD.items() if arg in accepted
@@ -252,4 +265,63 @@ def cp_layer_spec(
     for arg in REFUSED_LOCAL_SPEC_ARGS:
         if arg in accepted:
             kwargs[arg] = bool(getattr(config, arg, False))
-    return get_gpt_layer_cp_spec(options=options, **kwargs)
+    return kwargs
+
+
+def _is_moe_layer(config: TransformerConfig, global_layer: int) -> bool:
+    """Megatron's ``moe_layer_freq`` rule (``get_gpt_decoder_block_spec``) for a 1-based layer."""
+    if not getattr(config, "num_moe_experts", None):
+        return False
+    freq = getattr(config, "moe_layer_freq", 1)
+    if isinstance(freq, int):
+        return (global_layer - 1) % freq == 0
+    if len(freq) != config.num_layers:
+        raise ValueError(f"moe_layer_freq lists {len(freq)} layers, config.num_layers is {config.num_layers}")
+    return bool(freq[global_layer - 1])
+
+
+def _options_from_training_args() -> CPAttentionOptions | None:
+    """The package's options from Megatron-LM's parsed arguments, when this process is a
+    Megatron-LM training script (``megatron.training`` imported and its arguments parsed)."""
+    global_vars = sys.modules.get("megatron.training.global_vars")
+    args = getattr(global_vars, "_GLOBAL_ARGS", None)
+    if args is None:
+        return None
+    from .args import cp_attention_options_from_args
+
+    return cp_attention_options_from_args(args)
+
+
+class CPLayerFromConfig(CPTransformerLayer):
+    """The layer class of :data:`gpt_layer_spec`: constructing it builds the layer that the
+    config asks for.
+
+    Megatron-LM's ``--spec MODULE NAME`` takes a spec *object*, fixed before any config exists,
+    while the right layer depends on the config (MLA, MoE per ``moe_layer_freq``, qk norms,
+    normalization). Megatron repeats a layer ``ModuleSpec`` for every layer and builds each with
+    ``build_module(spec, config=..., layer_number=..., ...)``, so this class defers there:
+    ``__new__`` builds :func:`get_gpt_layer_cp_spec` for that layer's config and returns it (a
+    :class:`CPTransformerLayer`; ``__init__`` of this class never runs). Options come from
+    Megatron-LM's parsed arguments (:func:`~.args.add_arguments`) when present, else defaults.
+    """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> CPTransformerLayer:  # type: ignore[misc]
+        bound = _LAYER_SIGNATURE.bind_partial(None, *args, **kwargs).arguments
+        config, layer_number = bound["config"], bound.get("layer_number", 1)
+        pg_collection, vp_stage = bound.get("pg_collection"), bound.get("vp_stage")
+        pp_rank = get_pg_rank(pg_collection.pp) if pg_collection is not None and hasattr(pg_collection, "pp") else None
+        global_layer = layer_number + get_transformer_layer_offset(config, vp_stage, pp_rank)
+        local_kwargs = _local_spec_kwargs(config)
+        if not _is_moe_layer(config, global_layer):
+            local_kwargs.update(num_experts=None, moe_grouped_gemm=False)
+        spec = get_gpt_layer_cp_spec(options=_options_from_training_args(), **local_kwargs)
+        kwargs.pop("submodules", None)
+        return build_module(spec, *args, **kwargs)
+
+
+_LAYER_SIGNATURE = inspect.signature(TransformerLayer.__init__)
+
+gpt_layer_spec = ModuleSpec(module=CPLayerFromConfig)
+"""A GPT layer spec object for Megatron-LM's ``--spec megatron_cp_ext.megatron.spec gpt_layer_spec``:
+every layer is built from the run's config as :func:`cp_layer_spec` builds it (and dense or MoE
+per ``moe_layer_freq``); see :class:`CPLayerFromConfig` and ``docs/megatron.md``."""

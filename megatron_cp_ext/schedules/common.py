@@ -36,6 +36,9 @@ class Run:
     """Softmax scale."""
     dk: int
     """Query/key head dim: splits packed KV buffers into K and V."""
+    max_logit: torch.Tensor | None = None
+    """``[heads of q]`` fp32 running max of the scaled logits over the calls, updated in place;
+    None (the default) computes nothing (see :mod:`.max_logit`)."""
 
 
 def take(x: torch.Tensor, sl: tuple[int, int] | None, idx: torch.Tensor | None) -> torch.Tensor:
@@ -74,10 +77,17 @@ def step_forward(
     """Merge this step's attention of ``q`` over the ``kv`` buffer into ``out``/``lse``."""
     for c in calls:
         kv_c = take(kv, c.k_slice, c.k_index)  # one gather moves K and V together
+        q_c = take(q, c.q_slice, c.q_index)
         o, lse_c = run.backend.attn_fwd(
-            take(q, c.q_slice, c.q_index), kv_c[..., : run.dk], kv_c[..., run.dk :],
+            q_c, kv_c[..., : run.dk], kv_c[..., run.dk :],
             c.cu_seqlens_q, c.cu_seqlens_k, c.max_seqlen_q, c.max_seqlen_k, c.causal, c.window, run.scale,
         )  # fmt: skip
+        if run.max_logit is not None:
+            m = run.backend.max_logit(
+                q_c, kv_c[..., : run.dk], c.cu_seqlens_q, c.cu_seqlens_k, c.max_seqlen_q, c.max_seqlen_k,
+                c.causal, c.window, run.scale,
+            )  # fmt: skip
+            torch.maximum(run.max_logit, m, out=run.max_logit)
         if c.q_slice is not None:
             a, b = c.q_slice
             merge_partial(out[a:b], lse[a:b], o, lse_c, None)

@@ -124,6 +124,7 @@ def _tensors(ch: dict, fmt: str, cp: int, rank: int, sharding) -> list:
 
 
 _KWARGS = ("comm_type", "qkv_format", "causal", "window_size", "chunk_size", "softmax_scale", "backend", "check")
+_KWARGS += ("return_max_logit",)
 
 
 def _call(rank: int, world: int, ch: dict, sharding_cache: dict):
@@ -145,6 +146,8 @@ def _call(rank: int, world: int, ch: dict, sharding_cache: dict):
         sink = ch["sink"]
         kw["softmax_offset"] = torch.zeros(sink, requires_grad=True) if isinstance(sink, tuple) else sink
     out = mcx.cp_attention(q, k, v, cp_group=group, sharding=sharding, **kw)
+    if isinstance(out, tuple):  # return_max_logit
+        out = out[0]
     if out.requires_grad:
         out.float().sum().backward()
     return out

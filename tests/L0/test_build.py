@@ -4,12 +4,18 @@ from inside pip's isolated build environment.
 The last test runs a real ``pip install -e .`` (default build isolation) into a throwaway venv
 that sees this interpreter's torch: on a CPU machine it must succeed without compiling, and
 ``MCX_BUILD_CUDA=1`` must fail with the reason. About 30 s (two isolated builds).
+
+The throwaway venv reaches this interpreter's packages through a ``.pth`` file listing its
+site-packages directories, not through ``--system-site-packages``: when this interpreter is
+itself a venv, ``--system-site-packages`` would expose the *base* interpreter's packages, which
+need not include torch.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import site
 import subprocess
 import sys
 from pathlib import Path
@@ -101,11 +107,36 @@ def _pip_install(venv: Path, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=600, check=False)
 
 
+def _outer_site_dirs() -> list[str]:
+    """This interpreter's site-packages directories (a venv's own, and its base's when the venv
+    was made with --system-site-packages), and the directory torch is imported from."""
+    dirs = [*site.getsitepackages(), str(Path(torch.__file__).resolve().parents[1])]
+    if site.ENABLE_USER_SITE:
+        dirs.append(site.getusersitepackages())
+    return list(dict.fromkeys(d for d in dirs if Path(d).is_dir()))
+
+
+def _venv_seeing_this_interpreter(venv: Path) -> None:
+    """A fresh venv (own pip) whose ``sys.path`` ends with this interpreter's site directories.
+
+    Plain path lines: the outer directories' own ``.pth`` files (e.g. an editable install of this
+    package from another checkout) are not run, so the venv's editable install is the only one.
+    """
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    purelib = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    Path(purelib, "zz_outer_site.pth").write_text("\n".join(_outer_site_dirs()) + "\n")
+
+
 def test_pip_install_editable_on_cpu_builds_nothing(tmp_path: Path) -> None:
     if B.build_wanted().build:
         pytest.skip("this machine would build the CUDA extension (CUDA torch and nvcc)")
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
+    _venv_seeing_this_interpreter(venv)
     proc = _pip_install(venv)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "not building the CUDA extension" in proc.stdout + proc.stderr

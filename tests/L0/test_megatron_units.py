@@ -118,8 +118,6 @@ def test_core_attention_sbhd_softmax_scale_and_no_mask() -> None:
         ({"mask": AttnMaskType.arbitrary}, "attn_mask_type"),
         ({"cp_comm_type": "ring"}, "p2p"),
         ({"cfg": config(hybrid_context_parallel=True)}, "hybrid_context_parallel"),
-        ({"cfg": config(qk_clip=True)}, "qk_clip.*max logits"),
-        ({"cfg": config(log_max_attention_logit=True)}, "log_max_attention_logit"),
     ],
 )
 def test_unsupported_options_fail_at_construction(kwargs, match) -> None:
