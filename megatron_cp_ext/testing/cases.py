@@ -8,6 +8,7 @@ from a seed on every rank, so no data crosses the pool's queues except results.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -92,17 +93,19 @@ class AttnCase:
         return q, k, v, dout
 
 
-_HIER_GROUPS: dict[tuple[int, int], list] = {}
+_HIER_GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""Per default group (one per worker process, or per rank thread of the in-process runner)."""
 
 
 def cp_group_for(case: AttnCase, world: int):
-    """The world group, or (cached per worker) the hierarchical pair for ``a2a+p2p``."""
+    """The world group, or (cached per rank) the hierarchical pair for ``a2a+p2p``."""
     if case.comm_type != "a2a+p2p":
         return dist.group.WORLD
+    mine = _HIER_GROUPS.setdefault(dist.group.WORLD, {})
     key = (world, case.a2a_size)
-    if key not in _HIER_GROUPS:  # every rank runs the same cases in order: collective-safe
-        _HIER_GROUPS[key] = mcx.hierarchical_cp_groups(case.a2a_size)
-    return _HIER_GROUPS[key]
+    if key not in mine:  # every rank runs the same cases in order: collective-safe
+        mine[key] = mcx.hierarchical_cp_groups(case.a2a_size)
+    return mine[key]
 
 
 def zigzag_split(x: torch.Tensor, rank: int, cp: int, dim: int) -> torch.Tensor:
