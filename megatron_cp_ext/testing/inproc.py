@@ -10,9 +10,9 @@ The communicator is PyTorch's threaded test process group (its per-thread ``torc
 world and its collectives: all-gather, reduce-scatter, all-to-all, all-reduce) plus what it
 lacks and the ring schedules need: point-to-point ``send``/``recv`` (so ``batch_isend_irecv``),
 matched per (group, source, destination, tag) in posting order as on gloo and NCCL. Every
-transfer is a plain tensor copy, so results equal a gloo run bit for bit, except a
-reduce-scatter over more than two ranks: it sums the ranks in rank order, gloo in the order of
-its ring (the two agree to rounding; ``tests/L1/test_inproc_runner.py`` says where).
+transfer is a plain tensor copy and every sum (reduce-scatter, all-reduce) adds the ranks in
+the order of gloo's ring all-reduce (:func:`ring_sum`), so a CPU run equals a gloo run bit for
+bit (``tests/L1/test_inproc_runner.py``); on a GPU it is one fixed, deterministic order.
 
 Rules for ``fn`` that separate processes get for free: build per-rank state inside ``fn``
 (module-level caches are shared by the threads), and draw random numbers from an explicit
@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch.futures import Future
 from torch.testing._internal.distributed import multi_threaded_pg as _mt
 
-__all__ = ["run_threads", "BACKEND"]
+__all__ = ["run_threads", "ring_sum", "BACKEND"]
 
 BACKEND = "mcx_threads"
 """Name of the in-memory backend (what ``dist.get_backend`` reports inside ``run_threads``)."""
@@ -88,8 +88,75 @@ class _Mailboxes:
 _BOXES = _Mailboxes()
 
 
+GLOO_MAX_SEGMENT_BYTES = 1 << 20
+"""gloo's ring all-reduce segment bound: it sets which rank starts each element's sum."""
+
+
+def ring_sum(xs: list[torch.Tensor]) -> torch.Tensor:
+    """Sum of ``xs`` (one per rank) in gloo's ring all-reduce order, bit for bit.
+
+    The buffer is cut into ``k * n`` segments (``k >= 2``, each at most 1 MiB); the ``k``
+    segments of block ``c`` start at rank ``c - 1`` and collect the ranks downwards around the
+    ring, so block ``c`` is ``((x[c-1] + x[c-2]) + ...) + x[c]``. gloo's reduce-scatter is one
+    such all-reduce per output block.
+    """
+    n, flat = len(xs), [x.reshape(-1) for x in xs]
+    numel, es = flat[0].numel(), flat[0].element_size()
+    seg_max = es * max(1, GLOO_MAX_SEGMENT_BYTES // es)
+    segs = max(-(-numel * es // seg_max), 2 * n)
+    segs = -(-segs // n) * n
+    seg_bytes = -(-numel * es // segs)
+    seg_elems = -(-seg_bytes // es)  # ceil(bytes / segs), rounded up to whole elements
+    block = seg_elems * (segs // n)
+    out = torch.empty_like(flat[0])
+    for c in range(n):
+        lo, hi = c * block, min((c + 1) * block, numel)
+        if lo >= hi:
+            continue
+        acc = flat[(c - 1) % n][lo:hi].clone()
+        for j in range(2, n + 1):
+            acc += flat[(c - j) % n][lo:hi]
+        out[lo:hi] = acc
+    return out.view_as(xs[0])
+
+
+class _RingReduceScatter:
+    """Reduce-scatter (sum) as gloo computes it: one ring all-reduce per output block."""
+
+    @torch.no_grad()
+    def work(self, data: list) -> None:
+        for k, (outputs, _) in enumerate(data):
+            outputs[0].detach().copy_(ring_sum([inputs[0][k] for _, inputs in data]))
+
+
+class _RingAllReduce:
+    """All-reduce (sum) in gloo's ring order."""
+
+    @torch.no_grad()
+    def work(self, data: list) -> None:
+        for i in range(len(data[0])):
+            total = ring_sum([tensors[i] for tensors in data])
+            for tensors in data:
+                tensors[i].detach().copy_(total)
+
+
 class ThreadGroup(_mt.ProcessLocalGroup):
-    """PyTorch's threaded process group with point-to-point messages added."""
+    """PyTorch's threaded process group with point-to-point messages added and sums taken in
+    gloo's order (so a CPU run here equals a gloo run bit for bit)."""
+
+    def _sum(self, collective, data, opts):
+        if opts.reduceOp != dist.ReduceOp.SUM:
+            raise NotImplementedError(f"{BACKEND}: only sums are implemented, got {opts.reduceOp}")
+        coll = _mt.ProcessLocalGroup._start_coll(collective, self)
+        res = coll.join(self._rank, data)
+        _mt.ProcessLocalGroup._end_coll(coll, self)
+        return res
+
+    def reduce_scatter(self, output_tensor, scatter_list, opts=None):
+        return self._sum(_RingReduceScatter(), (output_tensor, scatter_list), opts or _mt.ReduceScatterOptions())
+
+    def allreduce(self, tensor_list, opts=None):
+        return self._sum(_RingAllReduce(), tensor_list, opts or _mt.AllreduceOptions())
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0):
         (t,) = tensors
@@ -152,7 +219,9 @@ def run_threads(world_size: int, fn: Callable, *args: Any, timeout: float = 300.
         results: list = [None] * world_size
         threads = [
             threading.Thread(
-                target=_rank_main, args=(r, world_size, store, fn, args, device, results), daemon=True,
+                target=_rank_main,
+                args=(r, world_size, store, fn, args, device, results),
+                daemon=True,
                 name=f"mcx-rank-{r}",
             )  # fmt: skip
             for r in range(world_size)
