@@ -65,9 +65,11 @@ class AttnCase:
     qkv_format: str = "thd"
     """``bshd``/``sbhd``: ``seqlens`` must be b equal lengths; ranks get Megatron's zigzag split."""
     extra: dict = field(default_factory=dict)
+    """More ``cp_attention`` keywords (``softmax_scale``, ``check``, ``backend``)."""
     sink: tuple[float, ...] | None = None
     """Softmax offset per query head (attention sink), passed as a differentiable tensor."""
-    """More ``cp_attention`` keywords (``softmax_scale``, ``check``, ``backend``)."""
+    device: str = "cpu"
+    """Where the ranks compute (``cuda``: all ranks of the in-process runner on one GPU)."""
 
     @property
     def cu_seqlens(self) -> list[int]:
@@ -153,12 +155,12 @@ def run_case(rank: int, world: int, case: AttnCase) -> dict[str, torch.Tensor]:
     """Worker: shard, run forward + backward on this rank, return local results."""
     dtype = getattr(torch, case.dtype)
     sharding = case.sharding(world) if case.qkv_format == "thd" else None
-    q, k, v, dout = (local_shard(case, world, rank, x, sharding).to(dtype) for x in case.inputs())
+    q, k, v, dout = (local_shard(case, world, rank, x, sharding).to(case.device, dtype) for x in case.inputs())
     q, k, v = (x.requires_grad_() for x in (q, k, v))
     extra = dict(case.extra)
     if case.sink is not None:
         sink_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-        extra["softmax_offset"] = torch.tensor(case.sink, dtype=sink_dtype).requires_grad_()
+        extra["softmax_offset"] = torch.tensor(case.sink, dtype=sink_dtype, device=case.device).requires_grad_()
     out = mcx.cp_attention(
         q, k, v, cp_group=cp_group_for(case, world), comm_type=case.comm_type, qkv_format=case.qkv_format,
         sharding=sharding,
@@ -168,7 +170,7 @@ def run_case(rank: int, world: int, case: AttnCase) -> dict[str, torch.Tensor]:
     res = {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
     if case.sink is not None:
         res["doffset"] = extra["softmax_offset"].grad
-    return res
+    return {n: t.cpu() for n, t in res.items()}
 
 
 def check_case(results: list[dict[str, torch.Tensor]], case: AttnCase) -> dict[str, float]:
