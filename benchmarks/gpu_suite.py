@@ -44,8 +44,8 @@ class Step:
 
 STEPS = [
     Step(name="env", budget_s=20, dry_budget_s=120, log="env.log"),
-    Step(name="build", budget_s=120, dry_budget_s=120, log="build.log"),
-    Step(name="tests", budget_s=120, dry_budget_s=180, log="tests.xml"),
+    Step(name="build", budget_s=100, dry_budget_s=120, log="build.log"),
+    Step(name="tests", budget_s=150, dry_budget_s=180, log="tests.xml"),
     Step(name="kernels", budget_s=30, dry_budget_s=120, log="kernels.log"),
     Step(name="attention", budget_s=60, dry_budget_s=120, log="attention.log"),
     Step(name="cp", budget_s=75, dry_budget_s=180, log="cp.log"),
