@@ -211,18 +211,17 @@ def bench_attention(s: Sizes) -> None:
 
 
 # ---- one-GPU CP and memory ------------------------------------------------------------------------
-def _rank_step(rank: int, world: int, s: Sizes, comm: str, mask: str, lens: list[int], reps: int) -> dict:
-    """One rank: ``reps`` forward+backward calls of its planned work (plan built before)."""
+def _rank_step(rank: int, world: int, s: Sizes, comm: str, mask: str, lens: list[int], full: list, reps: int) -> dict:
+    """One rank: ``reps`` forward+backward calls of its planned work (plan built before).
+    ``full``: the global q, k, v, dout on the device (shared by the threads, never copied)."""
     import torch.distributed as dist
 
     a2a = 2 if comm == "a2a+p2p" else 0
     group = mcx.hierarchical_cp_groups(a2a) if a2a else dist.group.WORLD
     cu = [0, *np.cumsum(lens).tolist()]
     sh = mcx.shard_sequences(cu, world, **mask_kw(mask, s))
-    g = torch.Generator().manual_seed(0)
-    full = [torch.randn(cu[-1], h, s.d, generator=g) for h in (s.hq, s.hkv, s.hkv)]
-    q, k, v = (sh.shard(x, rank).to(s.device, s.dtype).requires_grad_() for x in full)
-    dout = torch.randn(q.shape, generator=g).to(s.device, s.dtype)
+    q, k, v, dout = (sh.shard(x, rank) for x in full)
+    q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
 
     def call():
         out = mcx.cp_attention(q, k, v, cp_group=group, comm_type=comm, sharding=sh, **mask_kw(mask, s))
@@ -265,15 +264,15 @@ def bench_cp(s: Sizes) -> None:
         result(step="cp", comm="cp1", mask=mname, cp=1, ms=t_cp1 * 1e3, ratio=t_cp1 / t_one)
         for comm in ("p2p", "all_gather", "a2a", "a2a+p2p"):
             for cp in s.cp_sizes:
-                _cp_row(s, comm, mname, cp, lens, t_one)
+                _cp_row(s, comm, mname, cp, lens, [q, k, v, torch.randn_like(q)], t_one)
 
 
-def _cp_row(s: Sizes, comm: str, mname: str, cp: int, lens: list[int], t_one: float) -> None:
+def _cp_row(s: Sizes, comm: str, mname: str, cp: int, lens: list[int], full: list, t_one: float) -> None:
     if s.device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-    out = run_threads(cp, _rank_step, s, comm, mname, lens, s.iters, device=s.device, timeout=240)
+    out = run_threads(cp, _rank_step, s, comm, mname, lens, full, s.iters, device=s.device, timeout=240)
     per = max(o["seconds"] for o in out) / s.iters  # from the barrier before to the barrier after
     ideal = sum(o["ideal"] for o in out) / cp
     peak = (torch.cuda.max_memory_allocated() - base) / cp if s.device == "cuda" else float("nan")

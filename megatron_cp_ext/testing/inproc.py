@@ -186,8 +186,8 @@ dist.Backend.register_backend(BACKEND, _create, devices=["cpu", "cuda"])
 
 def _rank_main(rank: int, world: int, store, fn: Callable, args: tuple, device, results: list) -> None:
     try:
-        if device is not None and torch.device(device).type == "cuda":
-            torch.cuda.set_device(torch.device(device))
+        if device is not None and device.type == "cuda":
+            torch.cuda.set_device(device.index)
         dist.init_process_group(BACKEND, rank=rank, world_size=world, store=store)
         try:
             results[rank] = (True, fn(rank, world, *args))
@@ -211,6 +211,10 @@ def run_threads(world_size: int, fn: Callable, *args: Any, timeout: float = 300.
     does not finish within ``timeout`` seconds raises ``TimeoutError`` (a hang, e.g.
     mismatched collectives). One run at a time per process.
     """
+    if device is not None:
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:  # a new thread starts on GPU 0
+            device = torch.device("cuda", torch.cuda.current_device())
     with _RUN_LOCK:
         _mt._install_threaded_pg()
         _mt.ProcessLocalGroup.reset()
