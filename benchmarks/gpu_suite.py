@@ -115,7 +115,10 @@ def step_build(dry: bool) -> None:
 
     build_dir = tempfile.mkdtemp(prefix="mcx_build_")
     t0 = time.perf_counter()
-    load(name="_C", sources=srcs, extra_cuda_cflags=flags, build_directory=build_dir, verbose=True)
+    os.environ["TORCH_CUDA_ARCH_LIST"] = arch  # torch adds no arch guesses of its own
+    os.environ.setdefault("MAX_JOBS", str(os.cpu_count() or 4))
+    load(name="_C", sources=srcs, extra_cflags=["-O3"], extra_cuda_cflags=flags, build_directory=build_dir,
+         verbose=True)  # fmt: skip
     built = next(Path(build_dir).glob("_C*.so"))
     dest = ROOT / "megatron_cp_ext" / ("_C" + sysconfig.get_config_var("EXT_SUFFIX"))
     shutil.copy(built, dest)
