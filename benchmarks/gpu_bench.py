@@ -189,6 +189,7 @@ def bench_attention(s: Sizes) -> None:
     print(f"{len(lens)} documents, median {int(np.median(lens))}, max {mx}, {s.tokens} tokens; "
           f"heads {s.hq}/{s.hkv}, d {s.d}, {s.dtype}")  # fmt: skip
     print("| kernel | mask | fwd ms | bwd ms | fwd TFLOP/s | bwd TFLOP/s |\n|---|---|---|---|---|---|")
+    best: dict[str, tuple[float, str]] = {}
     for kname, mod in candidates(s).items():
         for mname in MASKS:
             kw = mask_kw(mname, s)
@@ -205,9 +206,15 @@ def bench_attention(s: Sizes) -> None:
             pairs = visible_pairs(lens, causal, win[0])
             fl = 4.0 * pairs * s.hq * s.d
             tf, tb = fl / t_f / 1e12, 2.5 * fl / t_b / 1e12
-            print(f"| {kname} | {mname} | {t_f * 1e3:.2f} | {t_b * 1e3:.2f} | {tf:.1f} | {tb:.1f} |")
+            print(f"| {kname} | {mname} | {t_f * 1e3:.2f} | {t_b * 1e3:.2f} | {tf:.3g} | {tb:.3g} |")
             result(step="attention", kernel=kname, mask=mname, fwd_ms=t_f * 1e3, bwd_ms=t_b * 1e3,
                    fwd_tflops=tf, bwd_tflops=tb)  # fmt: skip
+            best[mname] = min(best.get(mname, (math.inf, "")), (t_f + t_b, kname))  # ties: by name
+    # the measured pick per call shape (here: per mask at this size); a file every rank reads
+    # the same would make it the plan's choice, identically everywhere
+    for mname, (_, kname) in best.items():
+        print(f"fastest for {mname}: {kname}")
+        result(step="selection", mask=mname, kernel=kname)
 
 
 # ---- one-GPU CP and memory ------------------------------------------------------------------------

@@ -47,6 +47,8 @@ def render(statuses: list[dict], rows: list[dict], dry: bool, total_s: float) ->
         [r["kernel"], r["mask"], f"{r['fwd_ms']:.2f}", f"{r['bwd_ms']:.2f}", f"{r['fwd_tflops']:.4g}",
          f"{r['bwd_tflops']:.4g}"] for r in by["attention"]
     ])  # fmt: skip
+    picks = [f"{r['mask']}: {r['kernel']}" for r in rows if r["step"] == "selection"]
+    lines += ["", "Fastest candidate per mask (fwd+bwd): " + (", ".join(picks) or "-")]
     lines += ["", "## One-GPU CP (fwd+bwd of all ranks ÷ one call over the whole batch) and memory", ""]
     cp_rows = []
     for r in by["cp"]:
