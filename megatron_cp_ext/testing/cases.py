@@ -8,6 +8,7 @@ from a seed on every rank, so no data crosses the pool's queues except results.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -64,9 +65,11 @@ class AttnCase:
     qkv_format: str = "thd"
     """``bshd``/``sbhd``: ``seqlens`` must be b equal lengths; ranks get Megatron's zigzag split."""
     extra: dict = field(default_factory=dict)
+    """More ``cp_attention`` keywords (``softmax_scale``, ``check``, ``backend``)."""
     sink: tuple[float, ...] | None = None
     """Softmax offset per query head (attention sink), passed as a differentiable tensor."""
-    """More ``cp_attention`` keywords (``softmax_scale``, ``check``, ``backend``)."""
+    device: str = "cpu"
+    """Where the ranks compute (``cuda``: all ranks of the in-process runner on one GPU)."""
 
     @property
     def cu_seqlens(self) -> list[int]:
@@ -92,17 +95,19 @@ class AttnCase:
         return q, k, v, dout
 
 
-_HIER_GROUPS: dict[tuple[int, int], list] = {}
+_HIER_GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""Per default group (one per worker process, or per rank thread of the in-process runner)."""
 
 
 def cp_group_for(case: AttnCase, world: int):
-    """The world group, or (cached per worker) the hierarchical pair for ``a2a+p2p``."""
+    """The world group, or (cached per rank) the hierarchical pair for ``a2a+p2p``."""
     if case.comm_type != "a2a+p2p":
         return dist.group.WORLD
+    mine = _HIER_GROUPS.setdefault(dist.group.WORLD, {})
     key = (world, case.a2a_size)
-    if key not in _HIER_GROUPS:  # every rank runs the same cases in order: collective-safe
-        _HIER_GROUPS[key] = mcx.hierarchical_cp_groups(case.a2a_size)
-    return _HIER_GROUPS[key]
+    if key not in mine:  # every rank runs the same cases in order: collective-safe
+        mine[key] = mcx.hierarchical_cp_groups(case.a2a_size)
+    return mine[key]
 
 
 def zigzag_split(x: torch.Tensor, rank: int, cp: int, dim: int) -> torch.Tensor:
@@ -150,12 +155,12 @@ def run_case(rank: int, world: int, case: AttnCase) -> dict[str, torch.Tensor]:
     """Worker: shard, run forward + backward on this rank, return local results."""
     dtype = getattr(torch, case.dtype)
     sharding = case.sharding(world) if case.qkv_format == "thd" else None
-    q, k, v, dout = (local_shard(case, world, rank, x, sharding).to(dtype) for x in case.inputs())
+    q, k, v, dout = (local_shard(case, world, rank, x, sharding).to(case.device, dtype) for x in case.inputs())
     q, k, v = (x.requires_grad_() for x in (q, k, v))
     extra = dict(case.extra)
     if case.sink is not None:
         sink_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-        extra["softmax_offset"] = torch.tensor(case.sink, dtype=sink_dtype).requires_grad_()
+        extra["softmax_offset"] = torch.tensor(case.sink, dtype=sink_dtype, device=case.device).requires_grad_()
     out = mcx.cp_attention(
         q, k, v, cp_group=cp_group_for(case, world), comm_type=case.comm_type, qkv_format=case.qkv_format,
         sharding=sharding,
@@ -165,7 +170,7 @@ def run_case(rank: int, world: int, case: AttnCase) -> dict[str, torch.Tensor]:
     res = {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
     if case.sink is not None:
         res["doffset"] = extra["softmax_offset"].grad
-    return res
+    return {n: t.cpu() for n, t in res.items()}
 
 
 def check_case(results: list[dict[str, torch.Tensor]], case: AttnCase) -> dict[str, float]:

@@ -1,0 +1,44 @@
+"""``benchmarks/gpu_suite.py --dry-run``: every step of the GPU program runs on the CPU through
+the same code and writes its file; what a lent GPU machine hands back fits its limits."""
+
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import gpu_suite  # noqa: E402
+
+
+def test_dry_run_runs_every_step(tmp_path):
+    out = tmp_path / "suite"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_suite.py"), "--out", str(out), "--dry-run"],
+        cwd=ROOT, capture_output=True, text=True, timeout=1200,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    files = sorted(p.name for p in out.iterdir())
+    assert all(p.is_file() for p in out.iterdir())  # no folders
+    assert len(files) <= 8, files
+    assert set(files) == {s.log for s in gpu_suite.STEPS} | {"cpu-dry-run.md"}, files
+    for step in gpu_suite.STEPS:
+        if step.log.endswith(".log"):
+            text = (out / step.log).read_text()
+            assert f"step {step.name}: ok" in text, text[-2000:]
+    suite = ET.parse(out / "tests.xml").getroot()
+    cases = suite.iter("testcase")
+    assert all(c.find("failure") is None and c.find("error") is None for c in cases)
+    report = (out / "cpu-dry-run.md").read_text()
+    for step in gpu_suite.STEPS:
+        assert f"| {step.name} | ok |" in report
+    # every benchmark produced rows: kernels, attention per mask, CP per comm type and size
+    for needle in (
+        "| gather_rows bf16 |",
+        "| reference | window |",
+        "| a2a+p2p | causal | 8 |",
+        "| cp1 | causal | 1 |",
+    ):
+        assert needle in report, needle
+    assert "| h100-nvlink-ib400 |" in report

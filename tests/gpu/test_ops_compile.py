@@ -1,0 +1,65 @@
+"""csrc ops vs the torch fallbacks on plan-like random offsets, empty ranges included, and the
+fake impls under ``torch.compile`` (the ops trace, and the compiled graph gives the eager result)."""
+
+import pytest
+import torch
+
+from megatron_cp_ext import ops
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.skipif(not ops.HAS_CUDA_EXT, reason="CUDA extension not built"),
+]
+
+
+def _ranges(n_rows: int, seed: int) -> list[torch.Tensor]:
+    """Row indices of random ranges (as plans cut them), some empty, distinct rows."""
+    g = torch.Generator().manual_seed(seed)
+    cuts = torch.sort(torch.randint(0, n_rows + 1, (9,), generator=g)).values.tolist()
+    out = [torch.arange(a, b) for a, b in zip([0, *cuts], [*cuts, n_rows])]
+    out.insert(2, torch.arange(0))
+    return [x.cuda() for x in out]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_ops_bitwise_on_random_ranges(seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(777, 4, 40, device="cuda", generator=g).to(torch.bfloat16)
+    for idx in _ranges(777, seed):
+        assert torch.equal(torch.ops.megatron_cp_ext.gather_rows(x, idx), ops.gather_rows_torch(x, idx))
+        src = torch.randn(idx.numel(), 4, 40, device="cuda", generator=g)
+        a = torch.randn(777, 4, 40, device="cuda", generator=g)
+        b = a.clone()
+        torch.ops.megatron_cp_ext.index_add_rows_(a, idx, src)
+        ops.index_add_rows_torch(b, idx, src)
+        assert torch.equal(a, b)
+        out = torch.randn(777, 4, 40, device="cuda", generator=g)
+        lse = torch.randn(777, 4, device="cuda", generator=g)
+        lse[::7] = float("-inf")
+        po, pl = torch.randn(idx.numel(), 4, 40, device="cuda", generator=g), torch.randn(idx.numel(), 4, device="cuda")
+        o2, l2 = out.clone(), lse.clone()
+        torch.ops.megatron_cp_ext.merge_partial_(out, lse, po, pl, idx)
+        ops.merge_partial_torch(o2, l2, po, pl, idx)
+        assert torch.equal(out, o2) and torch.equal(lse, l2)
+
+
+def test_ops_trace_under_compile():
+    def step(x, idx, acc, out, lse, po, pl):
+        y = torch.ops.megatron_cp_ext.gather_rows(x, idx)
+        torch.ops.megatron_cp_ext.index_add_rows_(acc, idx, y.float())
+        torch.ops.megatron_cp_ext.merge_partial_(out, lse, po, pl, idx)
+        return y * 2
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(300, 2, 16, device="cuda", generator=g)
+    idx = torch.randperm(300, device="cuda", generator=g)[:111]
+    args = [x, idx, torch.zeros(300, 2, 16, device="cuda"), torch.zeros(300, 2, 16, device="cuda"),
+            torch.full((300, 2), float("-inf"), device="cuda"), torch.randn(111, 2, 16, device="cuda", generator=g),
+            torch.randn(111, 2, device="cuda", generator=g)]  # fmt: skip
+    eager = [a.clone() for a in args]
+    want = step(*eager)
+    got = torch.compile(step, fullgraph=True)(*args)
+    assert torch.equal(got, want)
+    for a, b in zip(args, eager):
+        assert torch.equal(a, b)
