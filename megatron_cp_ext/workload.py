@@ -43,6 +43,10 @@ TOLERANCE = 1e-3
 """Relative work miss a rank accepts to keep its cuts at tile multiples (the misses of
 earlier ranks are spread over the later ones, so the worst rank stays within a few of them)."""
 
+LONG = 8
+"""Units longer than this many tiles are long: a cut inside one costs more than in a short one."""
+SPAN = 8
+"""Tile-aligned positions tried on each side of a dense cut (each pairs with its own front piece)."""
 Entry = tuple[float, int, int, int]
 """``(density, unit, a, b)``: positions [a, b) of a unit, still in the stream."""
 
@@ -88,7 +92,7 @@ class _Stream:
     def entry(self, k: int, a: int, b: int) -> Entry:
         return (self.work(k, a, b) / (b - a), k, a, b)
 
-    def side(self, t: int, back: bool) -> tuple[list[Entry], np.ndarray, np.ndarray]:
+    def side(self, t: int, back: bool) -> tuple[list[Entry], list[int], list[int]]:
         """Entries from one end covering ``t`` tokens, with cumulative tokens and work."""
         ents, tok, wk = [], [0], [0]
         order = reversed(self.ents) if back else iter(self.ents)
@@ -98,7 +102,7 @@ class _Stream:
             ents.append(e)
             tok.append(tok[-1] + e[3] - e[2])
             wk.append(wk[-1] + self.work(e[1], e[2], e[3]))
-        return ents, np.asarray(tok), np.asarray(wk)
+        return ents, tok, wk
 
     def take(self, t: int, target: float) -> list[tuple[int, int, int]]:
         """One rank: ``t`` tokens, ``x`` off the front and ``t - x`` off the back, its work as
@@ -109,7 +113,7 @@ class _Stream:
             """``(work, entry, cut)`` of ``x`` tokens off one end; ``cut`` is the position where
             the entry is cut, None at a boundary between entries."""
             ents, tok, wk = side
-            j = int(np.searchsorted(tok, x, side="right")) - 1
+            j = bisect.bisect_right(tok, x) - 1
             if x == tok[j]:
                 return int(wk[j]), j, None
             _, k, a, b = ents[j]
@@ -119,7 +123,7 @@ class _Stream:
         def cost(x: int) -> tuple[int, int]:
             wf, jf, pf = at(front, x, False)
             wb, jb, pb = at(back, t - x, True)
-            return wf + wb, int(not self._nice(front[0], jf, pf)) + int(not self._nice(back[0], jb, pb))
+            return wf + wb, self._ugly(front[0], jf, pf) + self._ugly(back[0], jb, pb)
 
         lo_x, hi_x = 0, t  # work falls as x grows
         if cost(0)[0] <= target:
@@ -144,31 +148,89 @@ class _Stream:
         for x in sorted(c for c in cands if 0 <= c <= t):
             w, ugly = cost(x)
             err = abs(w - target) / max(target, 1.0)
-            key = (ugly if err <= TOLERANCE else 3, err)
+            key = (ugly if err <= TOLERANCE else 9, err)
             if best is None or key < best[0]:
-                best = (key, x)
-        return self._commit(front, back, best[1], t - best[1])
+                best = (key, x, 0, None)
+        if best[0][0]:
+            three = self._three(front, back, t, target, t - best[1], at)
+            if three is not None and three[0] < best[0]:
+                best = three
+        return self._commit(front, back, best[1], t - best[1] - best[2], best[3], best[2])
 
-    def _nice(self, ents: list[Entry], j: int, pos: int | None) -> bool:
-        """A cut between entries, at a unit's end or at a tile multiple of its unit."""
-        return pos is None or pos % TILE == 0 or pos == self.ulen[ents[j][1]]
+    def _three(self, front, back, t: int, target: float, y: int, at):
+        """The dense cut moved to a tile multiple and the miss made up by a tile-aligned front
+        piece of the same unit (the dual-chunk shape): the rank's one unaligned cut is then on
+        the light side, in a short document, instead of between pieces of a long one."""
+        _, j, pos = at(back, y, True)
+        ents, tok, wk = back
+        if pos is None or self._ugly(ents, j, pos) < 2:
+            return None
+        e = ents[j]
+        _, k, a, b = e
+        fents, ftok, _ = front
+        cap = int(ftok[fents.index(e)]) if e in fents else int(ftok[-1])  # light tokens before e
+        best = None
+        q0 = pos // TILE * TILE
+        for q in range(q0 - SPAN * TILE, q0 + (SPAN + 1) * TILE, TILE):
+            if not a < q <= b:
+                continue
+            lattice = [0] + [p - a for p in range(-(-(a + 1) // TILE) * TILE, q + 1, TILE)]
+            base = int(tok[j]) + b - q
+            fixed = int(wk[j]) + self.work(k, q, b)
 
-    def _commit(self, front, back, x: int, y: int) -> list[tuple[int, int, int]]:
-        """Remove ``x`` tokens off the front and ``y`` off the back; re-sort the remainders."""
+            def total(i: int, q=q, base=base, fixed=fixed, lattice=lattice):
+                x = t - base - lattice[i]
+                if not 0 <= x <= cap:
+                    return None
+                wf, jf, pf = at(front, x, False)
+                return wf + fixed + self.work(k, a, a + lattice[i]), self._ugly(fents, jf, pf), x
+
+            lo_i, hi_i = 0, len(lattice) - 1  # work grows with the front piece
+            while hi_i - lo_i > 1:
+                mid = (lo_i + hi_i) // 2
+                got = total(mid)
+                small = t - base - lattice[mid] > cap if got is None else got[0] <= target
+                lo_i, hi_i = (mid, hi_i) if small else (lo_i, mid)
+            for i in {lo_i, hi_i, min(hi_i + 1, len(lattice) - 1)}:
+                got = total(i)
+                if got is not None:
+                    err = abs(got[0] - target) / max(target, 1.0)
+                    key = ((got[1] if err <= TOLERANCE else 9), err)
+                    if best is None or key < best[0]:
+                        best = (key, got[2], lattice[i], e)
+        return best
+
+    def _ugly(self, ents: list[Entry], j: int, pos: int | None) -> int:
+        """What a cut costs in flash tiles: 0 between entries, at a unit's end or at a tile
+        multiple of its unit; 2 inside a long unit (all its pieces' blocks get a ragged edge);
+        1 inside a short one."""
+        if pos is None or pos % TILE == 0 or pos == self.ulen[ents[j][1]]:
+            return 0
+        return 2 if self.ulen[ents[j][1]] > LONG * TILE else 1
+
+    def _commit(self, front, back, x: int, y: int, cut: Entry | None, f: int) -> list[tuple[int, int, int]]:
+        """Remove ``x`` tokens off the front and ``y`` off the back, and ``f`` off the front of
+        entry ``cut`` (where the back cut falls); re-sort the remainders."""
         taken: dict[tuple[int, int, int], list[int]] = {}  # entry -> [a, b) still left
-        out = []
+        out, touched = [], [0, 0]
         for (ents, tok, _), n, is_back in ((front, x, False), (back, y, True)):
             for i, e in enumerate(ents):
                 if tok[i] >= n:
                     break
+                touched[is_back] = i + 1
                 _, k, a, b = e
                 left = taken.setdefault(e[1:], [a, b])
                 p = min(n - int(tok[i]), left[1] - left[0])
                 piece = (k, left[1] - p, left[1]) if is_back else (k, left[0], left[0] + p)
                 left[:] = [left[0], left[1] - p] if is_back else [left[0] + p, left[1]]
                 out.append(piece)
-        gone = set(taken)
-        self.ents = [e for e in self.ents if e[1:] not in gone]
+        if f:
+            touched[1] = max(touched[1], back[0].index(cut) + 1)
+            left = taken.setdefault(cut[1:], [cut[2], cut[3]])
+            out.append((cut[1], left[0], left[0] + f))
+            left[0] += f
+        nf, nb = touched  # the touched entries are a prefix and a suffix of the stream
+        self.ents = self.ents[nf : len(self.ents) - nb] if nf + nb < len(self.ents) else []
         for (k, _, _), (a, b) in taken.items():
             if b > a:
                 bisect.insort(self.ents, self.entry(k, a, b))
