@@ -34,7 +34,7 @@ import functools
 
 import numpy as np
 
-from .geometry import BIG, TILE, bounds
+from .geometry import BIG, TILE, bounds, work_prefix
 from .masks import MaskSpec
 
 __all__ = ["workload_segments", "unit_table", "TOLERANCE"]
@@ -81,9 +81,13 @@ def unit_table(lens: np.ndarray, chunk: int | None) -> tuple[np.ndarray, np.ndar
 class _Stream:
     """The sorted stream: entries (pieces of units) lightest first; ranks take from both ends."""
 
-    def __init__(self, ulen: list[int], lo: int, up: int) -> None:
-        self.ulen, self.lo, self.up = ulen, lo, up
-        self.ents: list[Entry] = sorted(self.entry(k, 0, n) for k, n in enumerate(ulen) if n > 0)
+    def __init__(self, ulen: np.ndarray, uwork: np.ndarray, lo: int, up: int) -> None:
+        self.ulen, self.lo, self.up = ulen.tolist(), lo, up
+        units = np.nonzero(ulen > 0)[0]
+        dens = uwork[units] / ulen[units]
+        order = np.lexsort((units, dens))  # as the entries' tuples sort: density, then unit
+        self.ents: list[Entry] = list(zip(dens[order].tolist(), units[order].tolist(), [0] * len(units),
+                                          ulen[units][order].tolist(), strict=True))  # fmt: skip
 
     def work(self, k: int, x: int, y: int) -> int:
         n = self.ulen[k]
@@ -171,33 +175,39 @@ class _Stream:
         cap = int(ftok[fents.index(e)]) if e in fents else int(ftok[-1])  # light tokens before e
         best = None
         q0 = pos // TILE * TILE
-        for q in range(q0 - SPAN * TILE, q0 + (SPAN + 1) * TILE, TILE):
+        first = -(-(a + 1) // TILE) * TILE  # the first tile multiple inside the entry
+        for q in sorted(range(q0 - SPAN * TILE, q0 + (SPAN + 1) * TILE, TILE), key=lambda q: abs(q - pos)):
             if not a < q <= b:
                 continue
-            lattice = [0] + [p - a for p in range(-(-(a + 1) // TILE) * TILE, q + 1, TILE)]
+            n_f = 1 + max(0, (q - first) // TILE + 1)  # front sizes: 0, then up to tile multiples <= q
             base = int(tok[j]) + b - q
             fixed = int(wk[j]) + self.work(k, q, b)
 
-            def total(i: int, q=q, base=base, fixed=fixed, lattice=lattice):
-                x = t - base - lattice[i]
+            def front_size(i: int) -> int:
+                return 0 if i == 0 else first + (i - 1) * TILE - a
+
+            def total(i: int, base=base, fixed=fixed):
+                x = t - base - front_size(i)
                 if not 0 <= x <= cap:
                     return None
                 wf, jf, pf = at(front, x, False)
-                return wf + fixed + self.work(k, a, a + lattice[i]), self._ugly(fents, jf, pf), x
+                return wf + fixed + self.work(k, a, a + front_size(i)), self._ugly(fents, jf, pf), x
 
-            lo_i, hi_i = 0, len(lattice) - 1  # work grows with the front piece
+            lo_i, hi_i = 0, n_f - 1  # work grows with the front piece
             while hi_i - lo_i > 1:
                 mid = (lo_i + hi_i) // 2
                 got = total(mid)
-                small = t - base - lattice[mid] > cap if got is None else got[0] <= target
+                small = t - base - front_size(mid) > cap if got is None else got[0] <= target
                 lo_i, hi_i = (mid, hi_i) if small else (lo_i, mid)
-            for i in {lo_i, hi_i, min(hi_i + 1, len(lattice) - 1)}:
+            for i in {lo_i, hi_i, min(hi_i + 1, n_f - 1)}:
                 got = total(i)
                 if got is not None:
                     err = abs(got[0] - target) / max(target, 1.0)
                     key = ((got[1] if err <= TOLERANCE else 9), err)
                     if best is None or key < best[0]:
-                        best = (key, got[2], lattice[i], e)
+                        best = (key, got[2], front_size(i), e)
+            if best is not None and best[0][0] <= 1:  # within tolerance, one cut in a short document at most
+                break
         return best
 
     def _ugly(self, ents: list[Entry], j: int, pos: int | None) -> int:
@@ -241,9 +251,9 @@ def workload_segments(lens: np.ndarray, counts: list[int], mask: MaskSpec) -> li
     """Per rank ``[k, 3]`` ``(seq, start, end)`` segments: rank r holds ``counts[r]`` tokens."""
     lo, up = bounds(mask)
     useq, ustart, ulen = unit_table(lens, mask.chunk)
-    stream = _Stream([int(n) for n in ulen], lo, up)
-    left_t = int(ulen.sum())
-    left_w = sum(stream.work(k, 0, n) for k, n in enumerate(stream.ulen))
+    uwork = work_prefix(ulen, ulen, lo, up)
+    stream = _Stream(ulen, uwork, lo, up)
+    left_t, left_w = int(ulen.sum()), int(uwork.sum())
     per_rank: list[list[tuple[int, int, int]]] = []
     for t in counts:
         t = int(t)
