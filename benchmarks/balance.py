@@ -1,12 +1,13 @@
 """Balances side by side: what every rank's plan computes, sends and costs to build.
 
-    python benchmarks/balance.py [--quick] [--markdown out.md]
+    python benchmarks/balance.py [--quick] [--family N] [--big] [--markdown out.md] [--doc docs/performance.md]
 
 For balance in {dualchunk, contiguous, workload} x comm types x masks (causal, window 4096,
 chunk 8192) x batches (lognormal long-tail 128K at cp 8 and 32, one 64K document with 157
 short ones at cp 32, lognormal 1M at cp 32 and 64), everything counted exactly from the
 plans through ``inspect_plan`` (128x128 tiles; bf16, 64 q heads, 8 KV heads, d 128):
 
+* ``tok``: largest per-rank token count over the mean (every balance deals equal counts);
 * ``work``: largest per-rank attention work over the mean;
 * ``pad``: pad rows added for the comm type (all ranks);
 * ``tiles``: useful score entries over the area of the tiles the kernels visit;
@@ -17,11 +18,17 @@ plans through ``inspect_plan`` (128x128 tiles; bf16, 64 q heads, 8 KV heads, d 1
 * ``plan ms``: host time of the slowest rank's plan; ``shard ms``: ``shard_sequences``.
 
 Exact counts, not timings, except the two build times (one core of this machine).
+
+Then the same for ``workload`` and ``dualchunk`` over a randomized family of ``--family``
+batches (``balance_family.py``: totals 4K-256K, or up to 1M with ``--big``; cp 2-64; medians
+256-16K; log-std 0-2; single long documents), as median / p95 / worst per mask, with the
+tokens per rank.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -30,6 +37,9 @@ import torch
 
 import megatron_cp_ext as mcx
 from megatron_cp_ext.batches import cu_seqlens, lognormal, long_short
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import balance_family  # noqa: E402 - the family benchmark next to this file
 
 MASKS = {
     "causal": dict(causal=True),
@@ -81,6 +91,7 @@ def measure(lens, cp, balance, mask_kw, comm, a2a) -> dict:
     sent = sum(r.bytes_sent["forward"] for r in ranks)
     need = sum(r.bytes_needed["forward"] for r in ranks)
     return {
+        "tok": rep.token_imbalance,
         "work": rep.work_imbalance,
         "pad": sum(r.padding for r in ranks),
         "tiles": rep.tile_efficiency,
@@ -93,7 +104,7 @@ def measure(lens, cp, balance, mask_kw, comm, a2a) -> dict:
     }
 
 
-COLUMNS = ["work", "pad", "tiles", "vs TE", "sent/need", "calls", "gathered", "plan ms", "shard ms"]
+COLUMNS = ["tok", "work", "pad", "tiles", "vs TE", "sent/need", "calls", "gathered", "plan ms", "shard ms"]
 
 
 def fmt(key: str, v) -> str:
@@ -109,8 +120,11 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="skip the 1M-token batch")
     ap.add_argument("--markdown", help="also write the tables to this file")
     ap.add_argument("--doc", help="replace the tables between the balance markers of this page (docs/performance.md)")
+    ap.add_argument("--family", type=int, default=36, help="batches in the randomized family (0: skip it)")
+    ap.add_argument("--big", action="store_true", help="family totals up to 1M tokens (much slower)")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    mcx.shard_sequences([0, 300, 600], 2)  # warm up (imports) before anything is timed
     jobs = [(name, lens, cp, b, m, c, a) for name, lens, cps in batches(args.quick) for cp in cps
             for m in MASKS for b in ("dualchunk", "contiguous", "workload") for c, a in COMMS]  # fmt: skip
     bar = Progress(len(jobs))
@@ -119,13 +133,19 @@ def main() -> None:
         res = measure(lens, cp, balance, MASKS[mask], comm, a2a)
         rows.append((name, cp, mask, balance, comm, res))
         bar.step(f"{name} cp{cp} {mask} {balance} {comm}")
-    text = "\n".join([*goals(rows), "", *table(rows, lambda c: c == "p2p"), "", *table(rows, lambda c: True)])
+    fam = []
+    bar_f = Progress(args.family)
+    if args.family:
+        batches_ = balance_family.family(args.family, args.big, 2024)
+        res = balance_family.measure(batches_, lambda i, n, s: bar_f.step(s))
+        fam = balance_family.report(res, len(batches_))
+    text = "\n".join([*goals(rows), "", *table(rows, lambda c: c == "p2p"), "", *table(rows, lambda c: True), "", *fam])
     print(text)
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(text + "\n")
     if args.doc:
-        write_doc(args.doc, rows)
+        write_doc(args.doc, rows, fam)
 
 
 def table(rows, keep) -> list[str]:
@@ -138,10 +158,12 @@ def table(rows, keep) -> list[str]:
     return lines
 
 
-def write_doc(path: str, rows) -> None:
+def write_doc(path: str, rows, fam: list[str]) -> None:
     """Put the measured tables between ``<!-- balance:NAME -->`` / ``<!-- /balance:NAME -->``."""
     text = open(path).read()
     parts = {"goals": goals(rows), "p2p": table(rows, lambda c: c == "p2p"), "all": table(rows, lambda c: True)}
+    if fam:
+        parts["family"] = fam
     for name, lines in parts.items():
         start, end = f"<!-- balance:{name} -->", f"<!-- /balance:{name} -->"
         a, b = text.index(start) + len(start), text.index(end)
@@ -155,6 +177,7 @@ def goals(rows) -> list[str]:
     mine = [(n, cp, m, c, r) for n, cp, m, b, c, r in rows if b == "workload" and cp >= 32]
     p2p = [(n, cp, m, r) for n, cp, m, c, r in mine if c == "p2p"]
     checks = [
+        ("max/mean tokens <= 1.001 (every balance, cp)", max(r["tok"] for *_, r in rows), 1.001),
         ("max/mean work <= 1.03 (every comm type)", max(r["work"] for *_, r in mine), 1.03),
         ("padding rows == 0 (p2p)", max(r["pad"] for *_, r in p2p), 0),
         ("p2p tile efficiency >= 0.90", min(r["tiles"] for *_, r in p2p), 0.90),

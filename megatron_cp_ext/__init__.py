@@ -13,7 +13,7 @@ from .groups import HierarchicalCPGroups, hierarchical_cp_groups
 from .inspect import CallReport, PlanReport, RankReport, inspect_plan
 from .mask_names import mask_flags as mask_flags
 from .masks import MaskSpec
-from .sharding import BALANCES, CPSharding, Segment, shard_sequences
+from .sharding import BALANCES, CPSharding, Segment, rank_counts, shard_sequences
 from .te_layout import te_thd_sharding
 from .validation import CPArgumentError, CPArgumentTypeError, CPRankMismatchError
 
@@ -30,6 +30,7 @@ __all__ = [
     "CPRankMismatchError",
     "shard_sequences",
     "te_thd_sharding",
+    "rank_counts",
     "CPSharding",
     "Segment",
     "MaskSpec",

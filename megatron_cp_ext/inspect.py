@@ -146,6 +146,17 @@ class PlanReport:
         return max(w) / max(np.mean(w), 1e-30)
 
     @property
+    def tokens(self) -> list[int]:
+        """Tokens per planned rank (a layer's linear work follows them)."""
+        return [r.tokens for r in self.ranks.values()]
+
+    @property
+    def token_imbalance(self) -> float:
+        """Largest per-rank token count over the mean (planned ranks)."""
+        t = self.tokens
+        return max(t) / max(np.mean(t), 1e-30) if t else 1.0
+
+    @property
     def tile_efficiency(self) -> float:
         return self._sum(lambda r: r.useful) / max(self._sum(lambda r: r.tile_area), 1.0)
 

@@ -24,7 +24,7 @@ import torch
 from .masks import MaskSpec
 from .validation import CPArgumentError, CPArgumentTypeError, as_int, as_ints
 
-__all__ = ["Segment", "CPSharding", "shard_sequences", "check_cu_seqlens", "BALANCES"]
+__all__ = ["Segment", "CPSharding", "shard_sequences", "check_cu_seqlens", "rank_counts", "BALANCES"]
 
 BALANCES = ("workload", "dualchunk", "contiguous")
 """Built-in assignments (``shard_sequences(balance=...)``); the first is the default."""
@@ -95,6 +95,8 @@ class CPSharding:
     """``[cp_size + 1]``: rank r's segments are ``seg[rank_ptr[r]:rank_ptr[r + 1]]``."""
     balance: str = "custom"
     """How the segments were chosen (one of :data:`BALANCES`, or "custom")."""
+    token_multiple: int = 1
+    """The multiple the per-rank token counts were dealt in (:func:`rank_counts`); 1 for custom."""
     _cache: dict = field(default_factory=dict, repr=False)
     _plans: dict = field(default_factory=dict, repr=False)
 
@@ -202,10 +204,11 @@ class CPSharding:
         return cls._of(cu, per_rank, "custom")
 
     @classmethod
-    def _of(cls, cu: list[int], per_rank: list[np.ndarray], balance: str) -> CPSharding:
+    def _of(cls, cu: list[int], per_rank: list[np.ndarray], balance: str, token_multiple: int = 1) -> CPSharding:
         ptr = np.concatenate([[0], np.cumsum([len(p) for p in per_rank])])
         seg = np.concatenate(per_rank) if per_rank else np.zeros((0, 3), np.int64)
-        return cls(cu_seqlens=tuple(cu), cp_size=len(per_rank), seg=seg, rank_ptr=ptr, balance=balance)
+        return cls(cu_seqlens=tuple(cu), cp_size=len(per_rank), seg=seg, rank_ptr=ptr, balance=balance,
+                   token_multiple=token_multiple)  # fmt: skip
 
 
 def _segment(s: Segment | Sequence[int], rank: int) -> tuple[int, int, int]:
@@ -244,9 +247,37 @@ def _check_partition(cu: Sequence[int], seg: np.ndarray) -> None:
         raise CPArgumentError("segments must cover every token of every sequence exactly once")
 
 
-def _cuts(lens: np.ndarray, pieces: int) -> np.ndarray:
-    """``[nseq, pieces + 1]`` cut points of every sequence into near-equal parts (sizes differ by <= 1)."""
-    return (np.arange(pieces + 1, dtype=np.int64)[None, :] * lens[:, None]) // pieces
+def _dealt(prefix: np.ndarray, cp: int, m: int) -> np.ndarray:
+    """``[len(prefix), cp]``: how many of the first ``prefix`` global tokens rank r is dealt when
+    blocks of ``m`` consecutive tokens go to ranks 0, 1, ..., cp-1, 0, 1, ... in turn."""
+    prefix = np.asarray(prefix, dtype=np.int64)[:, None]
+    r = np.arange(cp, dtype=np.int64)[None, :]
+    return prefix // (cp * m) * m + np.clip(prefix % (cp * m) - r * m, 0, m)
+
+
+def rank_counts(total: int, cp_size: int, token_multiple: int = 1) -> list[int]:
+    """Tokens every balance gives each rank: ``total`` dealt in blocks of ``token_multiple``.
+
+    With ``q = total // m`` blocks, rank r gets ``q // cp`` blocks plus one if ``r < q % cp``;
+    the last ``total % m`` tokens (only when ``total`` is not a multiple of ``m``) go to rank
+    ``q % cp``, which holds one block fewer than the ranks before it. So every count is a
+    multiple of ``m`` except that one, counts differ by at most ``m``, and no rank is empty
+    while ``total >= cp * m``.
+    """
+    return [int(c) for c in _dealt(np.asarray([total]), cp_size, token_multiple)[0]]
+
+
+def _shares(lens: np.ndarray, cp: int, m: int) -> np.ndarray:
+    """``[nseq, cp]`` tokens of every sequence that rank r holds: the deal of
+    :func:`rank_counts` over the batch's global token order, so every sequence is split
+    near-evenly (within ``m``) and every rank's total is its count."""
+    cu = np.concatenate([[0], np.cumsum(lens)])
+    return np.diff(_dealt(cu, cp, m), axis=0)
+
+
+def _cut_table(sizes: np.ndarray) -> np.ndarray:
+    """``[nseq, pieces + 1]`` cut points from ``[nseq, pieces]`` piece sizes."""
+    return np.concatenate([np.zeros((len(sizes), 1), np.int64), np.cumsum(sizes, axis=1)], axis=1)
 
 
 def _take(lens_cuts: np.ndarray, c: int) -> np.ndarray:
@@ -265,37 +296,50 @@ def shard_sequences(
     causal: bool = True,
     window_size: tuple[int, int] = (-1, -1),
     chunk_size: int | None = None,
+    token_multiple: int = 1,
 ) -> CPSharding:
-    """Assign every token of a packed batch to a CP rank.
+    """Assign every token of a packed batch to a CP rank, the same number to every rank.
 
-    ``workload`` (default): short documents stay whole on one rank (their KV never travels);
-    long ones are cut at multiples of 128 positions into pieces spread over consecutive ranks,
-    so that per-rank attention work under the mask (``causal``, ``window_size``,
-    ``chunk_size`` — the mask decides the work) and per-rank tokens are both balanced. See
-    :mod:`.workload`. ``dualchunk``: each sequence is cut into ``2*cp_size`` chunks whose sizes
-    differ by at most one; rank r holds chunks r and ``2*cp_size-1-r`` of every sequence (all
-    first chunks in sequence order, then all second ones, so each step's rows are slices).
-    ``contiguous``: rank r holds slice r of ``cp_size`` near-equal slices of every sequence.
-    Any lengths >= 0 are allowed; ranks may hold different token counts. Deterministic and
+    Every balance gives rank r exactly ``rank_counts(T, cp_size, token_multiple)[r]`` tokens:
+    a multiple of ``token_multiple`` (Megatron's sequence parallelism needs its TP size
+    here), except that when ``T`` itself is not a multiple, rank ``(T // token_multiple) %
+    cp_size`` also takes the last ``T % token_multiple`` tokens; counts differ by at most
+    ``token_multiple`` and no rank is empty while ``T >= cp_size * token_multiple``. A layer's
+    linear work follows tokens, so equal counts are what makes one sharding serve a whole layer.
+
+    ``workload`` (default): the mask's units (documents, chunks) sorted by density and split
+    dual-chunk fashion as one stream, so that per-rank attention work under the mask
+    (``causal``, ``window_size``, ``chunk_size`` — the mask decides the work) is balanced at
+    equal tokens; documents stay whole except at the (at most two per rank) cuts, which sit at
+    multiples of 128 positions where that costs nothing. See :mod:`.workload`.
+    ``dualchunk``: each sequence is cut into ``2*cp_size`` near-equal chunks (sizes adjusted
+    by at most ``token_multiple`` so the counts come out exact); rank r holds chunks r and
+    ``2*cp_size-1-r`` of every sequence (all first chunks in sequence order, then all second
+    ones, so each step's rows are slices). ``contiguous``: rank r holds slice r of ``cp_size``
+    near-equal slices of every sequence. Any lengths >= 0 are allowed. Deterministic and
     host-only: every rank computes the same sharding without communicating.
     """
     cu = check_cu_seqlens(cu_seqlens)
     cp_size = as_int(cp_size, "cp_size", minimum=1)
+    token_multiple = as_int(token_multiple, "token_multiple", minimum=1)
     if not isinstance(balance, str) or balance not in BALANCES:
         raise CPArgumentError(f"balance must be one of {BALANCES}, got {balance!r}")
     mask = MaskSpec.make(causal=causal, window_size=window_size, chunk_size=chunk_size)
     lens = np.diff(np.asarray(cu, dtype=np.int64))
     if cp_size == 1:
         seq = np.nonzero(lens)[0]
-        return CPSharding._of(cu, [np.stack([seq, seq * 0, lens[seq]], axis=1)], balance)
+        return CPSharding._of(cu, [np.stack([seq, seq * 0, lens[seq]], axis=1)], balance, token_multiple)
     if balance == "workload":
         from .workload import workload_segments
 
-        return CPSharding._of(cu, workload_segments(lens, cp_size, mask), balance)
+        counts = rank_counts(cu[-1], cp_size, token_multiple)
+        return CPSharding._of(cu, workload_segments(lens, counts, mask), balance, token_multiple)
+    shares = _shares(lens, cp_size, token_multiple)
     if balance == "dualchunk":
-        cuts = _cuts(lens, 2 * cp_size)
+        firsts = shares // 2
+        cuts = _cut_table(np.concatenate([firsts, (shares - firsts)[:, ::-1]], axis=1))
         per_rank = [np.concatenate([_take(cuts, r), _take(cuts, 2 * cp_size - 1 - r)]) for r in range(cp_size)]
     else:
-        cuts = _cuts(lens, cp_size)
+        cuts = _cut_table(shares)
         per_rank = [_take(cuts, r) for r in range(cp_size)]
-    return CPSharding._of(cu, per_rank, balance)
+    return CPSharding._of(cu, per_rank, balance, token_multiple)

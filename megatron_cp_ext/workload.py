@@ -1,33 +1,35 @@
-"""``balance="workload"``: documents whole where possible, tile-aligned pieces where needed,
-per-rank attention work and tokens both balanced under the mask.
+"""``balance="workload"``: equal tokens per rank, balanced attention work, documents whole.
 
-The work of a query depends only on its position and its document's length (how many keys
-the mask lets it see), never on where the query is placed, so a rank's work is a sum over
-the ranges it holds, in closed form (:func:`.geometry.work_prefix`). Every rank must end
-with the batch's average *density* (work per token), but units differ in density (a causal
-document of n tokens averages about n/2). So, as dual-chunk pairs a sequence's early chunks
-with its late ones, the balance pairs light material with dense material, batch-wide:
+A layer's linear work follows tokens and its attention follows visible pairs, so every rank
+must get its token count exactly (the counts :func:`.sharding.rank_counts` deals out) *and*
+the batch's average work per token. The work of a query depends only on its position and its
+document's length (how many keys the mask lets it see), never on where the query is placed,
+so a rank's work is a sum over the ranges it holds, in closed form (:func:`.geometry.work_prefix`).
 
-* units (documents; under chunked attention, chunks of them) are sorted by density;
-  *short* ones stay whole, *long* ones (more than :data:`ALPHA` of a rank's work or tokens)
-  are divisible at multiples of 128 positions;
-* ranks are filled in order, each from both ends of the sorted list: whole units (or the
-  front of a long one) from the light end, then from the dense end whole units while they
-  fit and finally a **front and a back piece** of a long unit. The back is dense (late
-  queries see many keys), the front light; the light share, the back size and the front
-  size are searched so the rank's work lands on its target first and its tokens on theirs
-  second (within a few tiles) — fine tuning that whole documents alone cannot give;
-* targets are what is left divided by the ranks left, so a miss is spread over the ranks
-  after it instead of piling up on the last one.
+The balance is a dual-chunk split of one **stream**: the mask's independent units (documents,
+or their chunks under chunked attention) laid end to end, sorted by density (work per token,
+lightest first). Inside a unit density never falls with position under causal, windowed,
+chunked or unmasked attention, so the stream's front is its lightest material and its back
+its densest. Rank after rank takes exactly its token count as ``x`` tokens off the front plus
+``t - x`` off the back; more front means less work, so ``x`` is found by bisection to land on
+the rank's work target (what is left divided in proportion to the tokens left).
 
-A long unit is taken in order by the ranks that reach it, fronts ascending and backs
-descending: every rank holds at most two pieces of it, adjacent in its local order, so each
-transfer of its KV is one slice. Deterministic, host-only, a few dozen cheap evaluations
-per rank; no communication.
+* Units stay whole except where a rank boundary falls: at most two cuts per rank, so short
+  documents are almost never cut and their KV never travels.
+* Where a cut costs nothing, it sits at a multiple of 128 positions or at a unit boundary:
+  among the nearby ``x`` whose cuts are tile-aligned, the one within :data:`TOLERANCE` of the
+  target is taken (flash tiles stay full).
+* The remainders of cut units are sorted back into the stream, so its ends stay its lightest
+  and densest material, and a target is always reachable.
+* One long document is the dual-chunk split of its positions; a long document among short ones
+  is eaten from its back by consecutive ranks, each holding at most two pieces of it.
+
+Deterministic, host-only, a few dozen closed-form evaluations per rank; no communication.
 """
 
 from __future__ import annotations
 
+import bisect
 import functools
 
 import numpy as np
@@ -35,22 +37,25 @@ import numpy as np
 from .geometry import BIG, TILE, bounds, work_prefix
 from .masks import MaskSpec
 
-__all__ = ["workload_segments", "unit_table", "ALPHA"]
+__all__ = ["workload_segments", "unit_table", "TOLERANCE"]
 
-ALPHA = 0.05
-"""A unit whose work or tokens exceed this share of one rank's is divisible (cut in pieces):
-small enough that whole units are fine steps, large enough that short documents stay whole."""
-TOKEN_WEIGHT = 0.1
-"""How much a relative token miss counts against a relative work miss for one rank."""
+TOLERANCE = 1e-3
+"""Relative work miss a rank accepts to keep its cuts at tile multiples (the misses of
+earlier ranks are spread over the later ones, so the worst rank stays within a few of them)."""
 
-Piece = tuple[int, int, int, int]
-"""``(unit index, unit length, a, b)``: positions [a, b) of a unit of the stream."""
+LONG = 8
+"""Units longer than this many tiles are long: a cut inside one costs more than in a short one."""
+SPAN = 8
+"""Tile-aligned positions tried on each side of a dense cut (each pairs with its own front piece)."""
+Entry = tuple[float, int, int, int]
+"""``(density, unit, a, b)``: positions [a, b) of a unit, still in the stream."""
 
 
 @functools.lru_cache(maxsize=1 << 16)
 def _work(n: int, x: int, lo: int, up: int) -> int:
-    """Scalar :func:`.geometry.work_prefix` (pure Python and memoised: the searches probe the
-    same tile boundaries again and again)."""
+    """Visible pairs of the first ``x`` queries of a unit of ``n`` tokens under band (lo, up)
+    (scalar :func:`.geometry.work_prefix`, pure Python and memoised: the searches probe the
+    same boundaries again and again)."""
     a, b = min(up, BIG), -min(lo, BIG)
     i0 = min(max(-a, 0), x)
     i1 = min(max(n - b, i0), x)
@@ -73,167 +78,194 @@ def unit_table(lens: np.ndarray, chunk: int | None) -> tuple[np.ndarray, np.ndar
     return useq, start, np.minimum(lens[useq] - start, chunk)
 
 
-def _snap(x: int, base: int) -> int:
-    """``x`` moved to the nearest tile boundary counted from ``base``."""
-    return base + ((x - base + TILE // 2) // TILE) * TILE
+class _Stream:
+    """The sorted stream: entries (pieces of units) lightest first; ranks take from both ends."""
 
-
-class _Pour:
-    """Units sorted by density, handed out from both ends; each unit shrinks from its ends.
-
-    Entry k is positions ``[a[k], b[k])`` (still to hand out) of a unit. The light end ``L``
-    gives whole units and cuts a divisible one front first; the dense end ``R`` gives whole
-    units and cuts a divisible one into a front and a back piece.
-    """
-
-    def __init__(self, entries: list[tuple[int, int, int, int, int, bool]], lo: int, up: int) -> None:
-        self.units = [e[:3] for e in entries]  # (seq, unit start, unit length)
-        self.a = [e[3] for e in entries]
-        self.b = [e[4] for e in entries]
-        self.cut_ok = [e[5] for e in entries]
-        self.lo, self.up = lo, up
-        self.flat = lo < BIG  # sliding window: density is flat past the window, one piece per unit
-        self.L, self.R = 0, len(entries) - 1
-        self.rest = [self.work(k, self.a[k], self.b[k]) for k in range(len(entries))]  # work left per entry
+    def __init__(self, ulen: np.ndarray, uwork: np.ndarray, lo: int, up: int) -> None:
+        self.ulen, self.lo, self.up = ulen.tolist(), lo, up
+        units = np.nonzero(ulen > 0)[0]
+        dens = uwork[units] / ulen[units]
+        order = np.lexsort((units, dens))  # as the entries' tuples sort: density, then unit
+        self.ents: list[Entry] = list(zip(dens[order].tolist(), units[order].tolist(), [0] * len(units),
+                                          ulen[units][order].tolist(), strict=True))  # fmt: skip
 
     def work(self, k: int, x: int, y: int) -> int:
-        n = self.units[k][2]
+        n = self.ulen[k]
         return _work(n, y, self.lo, self.up) - _work(n, x, self.lo, self.up) if y > x else 0
 
-    def light(self, tokens: float) -> tuple[list[Piece], dict, int, int]:
-        """From the light end: whole entries while they fit, a divisible one cut front first."""
-        out, moved, t, w, k = [], {}, 0, 0, self.L
-        while k <= self.R and tokens - t >= TILE / 2:
-            a, b = self.a[k], self.b[k]
-            if b - a <= tokens - t + TILE // 2:
-                y, wy = b, self.rest[k]
-            elif self.cut_ok[k]:
-                y = min(b, _snap(a + int(tokens - t), a))
-                wy = self.work(k, a, y)
-            else:
-                break
-            if y > a:
-                out.append((k, self.units[k][2], a, y))
-                moved[k] = y
-                t, w = t + y - a, w + wy
-            if y < b:
-                break
-            k += 1
-        return out, moved, t, w
+    def entry(self, k: int, a: int, b: int) -> Entry:
+        return (self.work(k, a, b) / (b - a), k, a, b)
 
-    def dense(self, front: int, back: int, moved: dict) -> tuple[list[Piece], int, int]:
-        """From the dense end (after what the light end ``moved``): ``back`` tokens off the back
-        and ``front`` tokens off the front of the densest entry, whole entries when they fit."""
-        out, t, w, k = [], 0, 0, self.R
-        while k >= self.L and front + back - t >= TILE / 2:
-            a, b = moved.get(k, self.a[k]), self.b[k]
-            left = front + back - t
-            if b <= a:
-                k -= 1
+    def side(self, t: int, back: bool) -> tuple[list[Entry], list[int], list[int]]:
+        """Entries from one end covering ``t`` tokens, with cumulative tokens and work."""
+        ents, tok, wk = [], [0], [0]
+        order = reversed(self.ents) if back else iter(self.ents)
+        for e in order:
+            if tok[-1] >= t:
+                break
+            ents.append(e)
+            tok.append(tok[-1] + e[3] - e[2])
+            wk.append(wk[-1] + self.work(e[1], e[2], e[3]))
+        return ents, tok, wk
+
+    def take(self, t: int, target: float) -> list[tuple[int, int, int]]:
+        """One rank: ``t`` tokens, ``x`` off the front and ``t - x`` off the back, its work as
+        close to ``target`` as a bisection on ``x`` gets; then tile-aligned cuts nearby."""
+        front, back = self.side(t, False), self.side(t, True)
+
+        def at(side, x: int, is_back: bool) -> tuple[int, int, int | None]:
+            """``(work, entry, cut)`` of ``x`` tokens off one end; ``cut`` is the position where
+            the entry is cut, None at a boundary between entries."""
+            ents, tok, wk = side
+            j = bisect.bisect_right(tok, x) - 1
+            if x == tok[j]:
+                return int(wk[j]), j, None
+            _, k, a, b = ents[j]
+            pos = b - (x - int(tok[j])) if is_back else a + (x - int(tok[j]))
+            return int(wk[j]) + (self.work(k, pos, b) if is_back else self.work(k, a, pos)), j, pos
+
+        def cost(x: int) -> tuple[int, int]:
+            wf, jf, pf = at(front, x, False)
+            wb, jb, pb = at(back, t - x, True)
+            return wf + wb, self._ugly(front[0], jf, pf) + self._ugly(back[0], jb, pb)
+
+        lo_x, hi_x = 0, t  # work falls as x grows
+        if cost(0)[0] <= target:
+            hi_x = 0
+        elif cost(t)[0] >= target:
+            lo_x = t
+        while hi_x - lo_x > 1:
+            mid = (lo_x + hi_x) // 2
+            lo_x, hi_x = (mid, hi_x) if cost(mid)[0] >= target else (lo_x, mid)
+        cands = {lo_x, hi_x}
+        for side, is_back in ((front, False), (back, True)):
+            ents, tok, _ = side
+            _, j, pos = at(side, t - lo_x if is_back else lo_x, is_back)
+            if pos is None:
                 continue
-            if b - a <= left + TILE // 2:
-                pieces = [(a, b)]
-                if a == self.a[k]:  # untouched by the light end: its work is known
-                    out.append((k, self.units[k][2], a, b))
-                    t, w = t + b - a, w + self.rest[k]
-                    k -= 1
-                    continue
-            elif self.cut_ok[k]:
-                share = front / max(front + back, 1)
-                f = min(b, _snap(a + int(left * share), a))
-                p = b if not back else min(b, b - (left - (f - a)))
-                p = p if p == b else min(b, max(f, _snap(p, a)))
-                pieces = [(a, f), (p, b)]
-            else:
-                break
-            for x, y in pieces:
-                if y > x:
-                    out.append((k, self.units[k][2], x, y))
-                    t, w = t + y - x, w + self.work(k, x, y)
-            if len(pieces) == 2:
-                break
-            k -= 1
-        return out, t, w
-
-    def commit(self, pieces: list[Piece], dest: list[tuple[int, int, int, int, int]]) -> None:
-        for k, n, x, y in pieces:
-            seq, start, _ = self.units[k]
-            dest.append((k, int(x > 0 or y < n), seq, start + x, start + y))
-            if x == self.a[k]:
-                self.a[k] = y
-            elif y == self.b[k]:
-                self.b[k] = x
-            else:
-                raise AssertionError("pieces are cut from an entry's ends")
-            self.rest[k] = self.work(k, self.a[k], self.b[k])
-        while self.L <= self.R and self.a[self.L] >= self.b[self.L]:
-            self.L += 1
-        while self.R >= self.L and self.a[self.R] >= self.b[self.R]:
-            self.R -= 1
-
-    def fill(self, want_t: float, want_w: float) -> tuple[list[Piece], int, int]:
-        """One rank: light tokens chosen so an even dense split lands near ``want_w``; then the
-        dense back size near that, and its front size (light tiles: fine steps) searched for the
-        work. Work is hit first; tokens stay within a few tiles of their share."""
-
-        lights: dict = {}
-
-        def light(y: float):
-            if y not in lights:
-                lights[y] = self.light(y)
-            return lights[y]
-
-        def total(y: float, front: int, back: int):
-            lp, moved, lt, lw = light(y)
-            dp, dt, dw = self.dense(front, back, moved)
-            return lp + dp, lt + dt, lw + dw
-
-        def even(y: float):
-            x = int(max(want_t - light(y)[2], 0))
-            return total(y, x, 0) if self.flat else total(y, x // 2, x - x // 2)
-
-        lo_y, hi_y = 0.0, want_t  # more light: less work
-        while hi_y - lo_y > TILE / 4:
-            mid = (lo_y + hi_y) / 2
-            lo_y, hi_y = (mid, hi_y) if even(mid)[2] >= want_w else (lo_y, mid)
+            _, k, a, b = ents[j]
+            for q in (a, b, pos // TILE * TILE, -(-pos // TILE) * TILE):  # entry ends, tile multiples
+                q = min(max(q, a), b)
+                x = int(tok[j]) + (b - q if is_back else q - a)
+                cands.add(t - x if is_back else x)
         best = None
-        for y in (lo_y, hi_y):
-            x = int(max(want_t - light(y)[2], 0))
-            for back in (0,) if self.flat else sorted({max(0, x // 2 + d * TILE) for d in (-1, 0, 1)}):
-                lo_f, hi_f = 0, int(want_t) + TILE  # more front: more work (and tokens)
-                while hi_f - lo_f > TILE // 2:
-                    mid = (lo_f + hi_f) // 2
-                    lo_f, hi_f = (mid, hi_f) if total(y, mid, back)[2] <= want_w else (lo_f, mid)
-                for front in (lo_f, hi_f):
-                    cand = total(y, front, back)
-                    miss_t = abs(cand[1] - want_t) / max(want_t, 1.0)
-                    err = abs(cand[2] - want_w) / max(want_w, 1.0) + TOKEN_WEIGHT * miss_t
-                    if best is None or err < best[0]:
-                        best = (err, cand)
-        return best[1]
+        for x in sorted(c for c in cands if 0 <= c <= t):
+            w, ugly = cost(x)
+            err = abs(w - target) / max(target, 1.0)
+            key = (ugly if err <= TOLERANCE else 9, err)
+            if best is None or key < best[0]:
+                best = (key, x, 0, None)
+        if best[0][0]:
+            three = self._three(front, back, t, target, t - best[1], at)
+            if three is not None and three[0] < best[0]:
+                best = three
+        return self._commit(front, back, best[1], t - best[1] - best[2], best[3], best[2])
+
+    def _three(self, front, back, t: int, target: float, y: int, at):
+        """The dense cut moved to a tile multiple and the miss made up by a tile-aligned front
+        piece of the same unit (the dual-chunk shape): the rank's one unaligned cut is then on
+        the light side, in a short document, instead of between pieces of a long one."""
+        _, j, pos = at(back, y, True)
+        ents, tok, wk = back
+        if pos is None or self._ugly(ents, j, pos) < 2:
+            return None
+        e = ents[j]
+        _, k, a, b = e
+        fents, ftok, _ = front
+        cap = int(ftok[fents.index(e)]) if e in fents else int(ftok[-1])  # light tokens before e
+        best = None
+        q0 = pos // TILE * TILE
+        first = -(-(a + 1) // TILE) * TILE  # the first tile multiple inside the entry
+        for q in sorted(range(q0 - SPAN * TILE, q0 + (SPAN + 1) * TILE, TILE), key=lambda q: abs(q - pos)):
+            if not a < q <= b:
+                continue
+            n_f = 1 + max(0, (q - first) // TILE + 1)  # front sizes: 0, then up to tile multiples <= q
+            base = int(tok[j]) + b - q
+            fixed = int(wk[j]) + self.work(k, q, b)
+
+            def front_size(i: int) -> int:
+                return 0 if i == 0 else first + (i - 1) * TILE - a
+
+            def total(i: int, base=base, fixed=fixed):
+                x = t - base - front_size(i)
+                if not 0 <= x <= cap:
+                    return None
+                wf, jf, pf = at(front, x, False)
+                return wf + fixed + self.work(k, a, a + front_size(i)), self._ugly(fents, jf, pf), x
+
+            lo_i, hi_i = 0, n_f - 1  # work grows with the front piece
+            while hi_i - lo_i > 1:
+                mid = (lo_i + hi_i) // 2
+                got = total(mid)
+                small = t - base - front_size(mid) > cap if got is None else got[0] <= target
+                lo_i, hi_i = (mid, hi_i) if small else (lo_i, mid)
+            for i in {lo_i, hi_i, min(hi_i + 1, n_f - 1)}:
+                got = total(i)
+                if got is not None:
+                    err = abs(got[0] - target) / max(target, 1.0)
+                    key = ((got[1] if err <= TOLERANCE else 9), err)
+                    if best is None or key < best[0]:
+                        best = (key, got[2], front_size(i), e)
+            if best is not None and best[0][0] <= 1:  # within tolerance, one cut in a short document at most
+                break
+        return best
+
+    def _ugly(self, ents: list[Entry], j: int, pos: int | None) -> int:
+        """What a cut costs in flash tiles: 0 between entries, at a unit's end or at a tile
+        multiple of its unit; 2 inside a long unit (all its pieces' blocks get a ragged edge);
+        1 inside a short one."""
+        if pos is None or pos % TILE == 0 or pos == self.ulen[ents[j][1]]:
+            return 0
+        return 2 if self.ulen[ents[j][1]] > LONG * TILE else 1
+
+    def _commit(self, front, back, x: int, y: int, cut: Entry | None, f: int) -> list[tuple[int, int, int]]:
+        """Remove ``x`` tokens off the front and ``y`` off the back, and ``f`` off the front of
+        entry ``cut`` (where the back cut falls); re-sort the remainders."""
+        taken: dict[tuple[int, int, int], list[int]] = {}  # entry -> [a, b) still left
+        out, touched = [], [0, 0]
+        for (ents, tok, _), n, is_back in ((front, x, False), (back, y, True)):
+            for i, e in enumerate(ents):
+                if tok[i] >= n:
+                    break
+                touched[is_back] = i + 1
+                _, k, a, b = e
+                left = taken.setdefault(e[1:], [a, b])
+                p = min(n - int(tok[i]), left[1] - left[0])
+                piece = (k, left[1] - p, left[1]) if is_back else (k, left[0], left[0] + p)
+                left[:] = [left[0], left[1] - p] if is_back else [left[0] + p, left[1]]
+                out.append(piece)
+        if f:
+            touched[1] = max(touched[1], back[0].index(cut) + 1)
+            left = taken.setdefault(cut[1:], [cut[2], cut[3]])
+            out.append((cut[1], left[0], left[0] + f))
+            left[0] += f
+        nf, nb = touched  # the touched entries are a prefix and a suffix of the stream
+        self.ents = self.ents[nf : len(self.ents) - nb] if nf + nb < len(self.ents) else []
+        for (k, _, _), (a, b) in taken.items():
+            if b > a:
+                bisect.insort(self.ents, self.entry(k, a, b))
+        return [p for p in out if p[2] > p[1]]
 
 
-def workload_segments(lens: np.ndarray, cp: int, mask: MaskSpec) -> list[np.ndarray]:
-    """Per rank ``[k, 3]`` ``(seq, start, end)`` segments of the workload balance."""
+def workload_segments(lens: np.ndarray, counts: list[int], mask: MaskSpec) -> list[np.ndarray]:
+    """Per rank ``[k, 3]`` ``(seq, start, end)`` segments: rank r holds ``counts[r]`` tokens."""
     lo, up = bounds(mask)
     useq, ustart, ulen = unit_table(lens, mask.chunk)
     uwork = work_prefix(ulen, ulen, lo, up)
-    tt, wt = float(ulen.sum()) / cp, float(uwork.sum()) / cp
-    long = (ulen >= 2 * TILE) & ((uwork > ALPHA * wt) | (ulen > ALPHA * tt))
-    units = np.nonzero(ulen > 0)[0]
-    units = units[np.lexsort((units, uwork[units] / ulen[units]))]  # lightest first
-    entries = [(int(useq[u]), int(ustart[u]), int(ulen[u]), 0, int(ulen[u]), bool(long[u])) for u in units]
-    pour = _Pour(entries, lo, up)
-    pieces: list[list[tuple[int, int, int, int, int]]] = [[] for _ in range(cp)]
-    left_t, left_w = float(ulen.sum()), float(uwork.sum())
-    for r in range(cp):
-        if r == cp - 1:  # the last rank takes the rest
-            pour.commit(pour.light(BIG)[0], pieces[r])
-            break
-        chosen, t, w = pour.fill(left_t / (cp - r), left_w / (cp - r))
-        pour.commit(chosen, pieces[r])
-        left_t, left_w = left_t - t, left_w - w
-    return [_merge_adjacent(seg) for seg in _local_order(pieces, lo)]
+    stream = _Stream(ulen, uwork, lo, up)
+    left_t, left_w = int(ulen.sum()), int(uwork.sum())
+    per_rank: list[list[tuple[int, int, int]]] = []
+    for t in counts:
+        t = int(t)
+        target = left_w * t / left_t if left_t else 0.0
+        pieces = stream.take(t, target) if t else []
+        per_rank.append(pieces)
+        left_t -= t
+        left_w -= sum(stream.work(k, a, b) for k, a, b in pieces)
+    cut = {k for ps in per_rank for k, a, b in ps if a > 0 or b < ulen[k]}
+    tagged = [[(k, int(k in cut), int(useq[k]), int(ustart[k]) + a, int(ustart[k]) + b) for k, a, b in ps]
+              for ps in per_rank]  # fmt: skip
+    return [_merge_adjacent(seg) for seg in _local_order(tagged, lo)]
 
 
 def _local_order(pieces: list[list[tuple[int, int, int, int, int]]], window: int) -> list[list[tuple[int, int, int]]]:

@@ -62,8 +62,7 @@ class ShardRecipe:
         if self.balance == TE_LAYOUT:
             return te_thd_sharding(cu_host, cp_size, name=name)
         mask = {"causal": self.causal, "window_size": self.window_size, "chunk_size": self.chunk_size}
-        extra = {"token_multiple": self.token_multiple} if self.token_multiple != 1 else {}
-        return shard_sequences(cu_host, cp_size, balance=self.balance, **mask, **extra)
+        return shard_sequences(cu_host, cp_size, balance=self.balance, **mask, token_multiple=self.token_multiple)
 
 
 @dataclass(eq=False)

@@ -1,8 +1,10 @@
 """``mcx-plan`` / ``python -m megatron_cp_ext.plan``: a CP job's per-layer cost before launch.
 
-For every CP size x comm type x balance: max/mean work, tile efficiency, padding, bytes per
-layer, kernel calls, predicted forward/backward time on a hardware profile and whether comm
-hides; then the predicted winner per CP size. See ``docs/planning.md``.
+For every CP size x comm type x balance: max/mean work and tokens, tile efficiency, padding,
+bytes per layer, kernel calls, predicted forward/backward attention time on a hardware profile
+and whether comm hides; with the model's widths (``--hidden``, ``--ffn``) also the whole
+layer's time per rank (linear work on its tokens plus attention), slowest rank; then the
+predicted winner per CP size. See ``docs/planning.md``.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 from .. import batches
 from ..inspect import COMM_TYPES, inspect_plan
 from ..sharding import shard_sequences
-from .cost import predict
+from .cost import LinearShape, predict
 from .profiles import PROFILES, HardwareProfile, load_profile
 
 __all__ = ["main", "build_parser", "sweep", "Row"]
@@ -66,6 +68,13 @@ class Row:
     """Per-rank work (for plots)."""
     sent: list[int]
     """Per-rank forward bytes sent (for plots)."""
+    tokens: list[int]
+    """Per-rank tokens (a layer's linear work follows them)."""
+    token_imbalance: float
+    """Largest per-rank token count over the mean."""
+    layer_ms: float | None = None
+    """Predicted whole-layer forward + backward time (slowest rank: attention plus linear work
+    on its tokens); None without the model's widths."""
 
 
 def _ints(flag: str, text: str, parser: argparse.ArgumentParser, lo: int = 0) -> list[int]:
@@ -107,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--head-dim", type=int, default=128, help="q/k head dim")
     p.add_argument("--v-head-dim", type=int, default=None, help="v head dim (default: --head-dim)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="activation dtype")
+    p.add_argument("--hidden", type=int, default=None, help="model hidden size: also predict the whole layer's time")
+    p.add_argument("--ffn", type=int, default=None, help="MLP inner size one rank holds (FFN size / TP); with --hidden")
+    p.add_argument("--gated-mlp", action="store_true", help="gated MLP (SwiGLU: three FFN matrices)")
     p.add_argument("--profile", default="h100-nvlink-ib400", help=f"{', '.join(PROFILES)}, or a JSON/TOML file")
     p.add_argument("--ranks-per-node", type=int, default=None, help="CP ranks per node (default: the profile's)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -169,6 +181,12 @@ def _validate(args: argparse.Namespace, p: argparse.ArgumentParser) -> dict:
         if len(w) not in (1, 2) or min(w) < -1:
             p.error(f"argument --window: expected L or L,R with values >= -1, got {args.window!r}")
         window = (w[0], w[1] if len(w) == 2 else (0 if args.causal else -1))
+    if (args.hidden is None) != (args.ffn is None):
+        p.error(f"argument {'--ffn' if args.ffn is None else '--hidden'}: --hidden and --ffn go together")
+    for flag, val in (("--hidden", args.hidden), ("--ffn", args.ffn)):
+        if val is not None and val < 1:
+            p.error(f"argument {flag}: must be >= 1, got {val}")
+    linear = LinearShape(hidden=args.hidden, ffn=args.ffn, gated=args.gated_mlp) if args.hidden else None
     if args.chunk is not None and args.chunk < 1:
         p.error(f"argument --chunk: must be >= 1, got {args.chunk}")
     if args.a2a_size is not None and (args.a2a_size < 1 or all(cp % args.a2a_size for cp in cps)):
@@ -184,7 +202,7 @@ def _validate(args: argparse.Namespace, p: argparse.ArgumentParser) -> dict:
     if sum(lengths) < 1:
         p.error("the lengths hold no tokens")
     mask = dict(causal=args.causal, window_size=window, chunk_size=args.chunk)
-    return dict(lengths=lengths, cps=cps, comms=comms, balances=bals, mask=mask, profile=prof)
+    return dict(lengths=lengths, cps=cps, comms=comms, balances=bals, mask=mask, profile=prof, linear=linear)
 
 
 def _a2a_for(comm: str, cp: int, a2a_size: int | None, prof: HardwareProfile) -> int | None:
@@ -209,7 +227,8 @@ def sweep(cfg: dict, shapes: dict, a2a_size: int | None = None, progress=None) -
         if (cp, bal) not in shardings:
             shardings[(cp, bal)] = shard_sequences(cu, cp, bal, **cfg["mask"])
         rep = inspect_plan(shardings[(cp, bal)], comm, a2a_size=a, **cfg["mask"], **shapes)
-        cost = predict(rep, prof)
+        linear = cfg.get("linear")
+        cost = predict(rep, prof, linear)
         rk = list(rep.ranks.values())
         rows.append(Row(
             cp=cp, comm_type=comm, balance=bal, a2a_size=rep.a2a_size, max_work=max(r.work for r in rk),
@@ -219,18 +238,24 @@ def sweep(cfg: dict, shapes: dict, a2a_size: int | None = None, progress=None) -
             bwd_bytes=max(max(r.bytes_sent["backward"], r.bytes_received["backward"]) for r in rk),
             calls=max(len(r.calls) for r in rk), fwd_ms=cost.forward_s * 1e3, bwd_ms=cost.backward_s * 1e3,
             fwd_hidden=cost.hidden("forward"), bwd_hidden=cost.hidden("backward"),
-            work=[r.work for r in rk], sent=[r.bytes_sent["forward"] for r in rk],
+            work=[r.work for r in rk], sent=[r.bytes_sent["forward"] for r in rk], tokens=rep.tokens,
+            token_imbalance=rep.token_imbalance, layer_ms=cost.layer_total_s * 1e3 if linear else None,
         ))  # fmt: skip
     if progress:
         progress(len(todo), len(todo), "done")
     return rows
 
 
+def _time(r: Row) -> float:
+    return r.layer_ms if r.layer_ms is not None else r.fwd_ms + r.bwd_ms
+
+
 def winners(rows: list[Row]) -> dict[int, Row]:
-    """The row with the lowest predicted forward + backward time per CP size."""
+    """The row with the lowest predicted forward + backward time per CP size (whole layer when
+    the model's widths are given, else attention)."""
     best: dict[int, Row] = {}
     for r in rows:
-        if r.cp not in best or r.fwd_ms + r.bwd_ms < best[r.cp].fwd_ms + best[r.cp].bwd_ms:
+        if r.cp not in best or _time(r) < _time(best[r.cp]):
             best[r.cp] = r
     return best
 
@@ -240,14 +265,16 @@ def _mb(n: int) -> str:
 
 
 def table(rows: list[Row]) -> str:
-    head = ("cp", "comm", "balance", "max work", "max/mean", "tile eff", "pad", "fwd MiB", "bwd MiB", "calls",
-            "fwd ms", "bwd ms", "hidden f/b", "")  # fmt: skip
+    layer = any(r.layer_ms is not None for r in rows)
+    head = ("cp", "comm", "balance", "max work", "max/mean", "tok max/mean", "tile eff", "pad", "fwd MiB", "bwd MiB",
+            "calls", "fwd ms", "bwd ms", "hidden f/b", *(("layer ms",) if layer else ()), "")  # fmt: skip
     best = {id(r) for r in winners(rows).values()}
     body = [(
         str(r.cp), r.comm_type + (f"({r.a2a_size})" if r.comm_type == "a2a+p2p" else ""), r.balance,
-        f"{r.max_work:.3g}", f"{r.max_work / max(r.mean_work, 1e-30):.3f}", f"{r.tile_efficiency:.3f}",
-        str(r.padding), _mb(r.fwd_bytes), _mb(r.bwd_bytes), str(r.calls), f"{r.fwd_ms:.3f}", f"{r.bwd_ms:.3f}",
-        f"{'yes' if r.fwd_hidden else 'no'}/{'yes' if r.bwd_hidden else 'no'}", "<- best" if id(r) in best else "",
+        f"{r.max_work:.3g}", f"{r.max_work / max(r.mean_work, 1e-30):.3f}", f"{r.token_imbalance:.3f}",
+        f"{r.tile_efficiency:.3f}", str(r.padding), _mb(r.fwd_bytes), _mb(r.bwd_bytes), str(r.calls),
+        f"{r.fwd_ms:.3f}", f"{r.bwd_ms:.3f}", f"{'yes' if r.fwd_hidden else 'no'}/{'yes' if r.bwd_hidden else 'no'}",
+        *((f"{r.layer_ms:.3f}",) if layer else ()), "<- best" if id(r) in best else "",
     ) for r in rows]  # fmt: skip
     widths = [max(len(x[i]) for x in [head, *body]) for i in range(len(head))]
     lines = [" | ".join(c.ljust(w) for c, w in zip(x, widths, strict=True)).rstrip() for x in [head, *body]]
@@ -295,8 +322,9 @@ def main(argv: list[str] | None = None) -> int:
               f"({prof.description or 'user file'}); per layer, slowest rank")  # fmt: skip
         print(table(rows))
         for cp, r in best.items():
+            whole = f"; whole layer {r.layer_ms:.3f} ms" if r.layer_ms is not None else ""
             print(f"cp {cp}: predicted best {r.comm_type} with {r.balance} balance "
-                  f"({r.fwd_ms:.3f} ms forward + {r.bwd_ms:.3f} ms backward per layer)")  # fmt: skip
+                  f"({r.fwd_ms:.3f} ms forward + {r.bwd_ms:.3f} ms backward attention per layer{whole})")  # fmt: skip
     if args.plot:
         from .plot import plot_rows
 

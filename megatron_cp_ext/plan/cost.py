@@ -16,6 +16,12 @@ the same from the same plan). Per rank and per step:
 
 The layer takes the slowest rank's time (ring steps synchronise neighbours; the model does
 not propagate waits between ranks beyond that maximum).
+
+Whole layer: given the model's widths (:class:`LinearShape`), each rank also pays its linear
+work — QKV and output projections and the MLP, FLOPs proportional to its tokens — at the
+profile's matmul throughput, forward and (twice that) backward. A rank's layer time is its
+attention time plus its linear time, so a balance that evens attention but not tokens (or the
+reverse) shows up as a slower layer.
 """
 
 from __future__ import annotations
@@ -26,7 +32,9 @@ from ..backends.reference import visited_area
 from ..inspect import CallReport, PlanReport, RankReport, StepReport
 from .profiles import HardwareProfile
 
-__all__ = ["RankCost", "LayerCost", "predict", "call_area", "call_flops", "HIDDEN_FRACTION"]
+__all__ = [
+    "RankCost", "LayerCost", "LinearShape", "predict", "call_area", "call_flops", "linear_flops", "HIDDEN_FRACTION",
+]  # fmt: skip
 
 HIDDEN_FRACTION = 0.05
 """Comm counts as hidden when the exposed part is under this fraction of the layer time."""
@@ -54,9 +62,17 @@ class RankCost:
     """Visited tile entries per head (as ``RankReport.tile_area``)."""
     bytes_sent: dict[str, int]
     bytes_received: dict[str, int]
+    tokens: int = 0
+    """Tokens the rank holds."""
+    linear_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+    """Its linear work's time (0 without a :class:`LinearShape`)."""
 
     def exposed_s(self, phase: str) -> float:
         return max(self.time_s[phase] - self.compute_s[phase], 0.0)
+
+    def layer_s(self, phase: str) -> float:
+        """Whole-layer time of the rank: attention plus linear work."""
+        return self.time_s[phase] + self.linear_s[phase]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,12 +98,51 @@ class LayerCost:
     def total_s(self) -> float:
         return self.forward_s + self.backward_s
 
+    def layer_time_s(self, phase: str) -> float:
+        """Whole-layer time of ``phase``: the slowest rank's attention plus linear work."""
+        return max((r.layer_s(phase) for r in self.ranks.values()), default=0.0)
+
+    @property
+    def layer_total_s(self) -> float:
+        """Whole-layer forward plus backward time (the attention-only total without widths)."""
+        return self.layer_time_s("forward") + self.layer_time_s("backward")
+
     def hidden(self, phase: str = "forward") -> bool:
         """Whether comm hides behind compute on the slowest rank of ``phase``."""
         if not self.ranks:
             return True
         slow = max(self.ranks.values(), key=lambda r: r.time_s[phase])
         return slow.exposed_s(phase) <= HIDDEN_FRACTION * max(slow.time_s[phase], 1e-30)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LinearShape:
+    """The token-wise part of a transformer layer, as one CP rank computes it."""
+
+    hidden: int
+    """Model hidden size (the projections' input and output width)."""
+    ffn: int
+    """MLP inner width this rank holds (the model's FFN size divided by the TP size)."""
+    gated: bool = False
+    """Gated MLP (SwiGLU): three FFN matrices instead of two."""
+
+    def __post_init__(self) -> None:
+        for f in ("hidden", "ffn"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{f} must be a positive int, got {v!r}")
+
+
+def linear_flops(tokens: int, shape: LinearShape, heads: int, kv_heads: int, head_dim: int,
+                 v_head_dim: int) -> dict[str, float]:  # fmt: skip
+    """FLOPs of a layer's linear work on ``tokens`` tokens: Q, K, V projections (``heads`` query
+    and ``kv_heads`` KV heads), the output projection and the MLP; backward twice forward
+    (gradients of inputs and of weights)."""
+    qkv = shape.hidden * (heads * head_dim + kv_heads * (head_dim + v_head_dim))
+    out = heads * v_head_dim * shape.hidden
+    mlp = (3 if shape.gated else 2) * shape.hidden * shape.ffn
+    fwd = 2.0 * tokens * (qkv + out + mlp)
+    return {"forward": fwd, "backward": 2 * fwd}
 
 
 def call_flops(tile_area: int, heads: int, head_dim: int, v_head_dim: int) -> dict[str, float]:
@@ -121,7 +176,7 @@ def step_comm_s(rank: int, st: StepReport, phase: str, prof: HardwareProfile) ->
     return lat * max(len(st.peers), 1) + worst
 
 
-def _rank_cost(rep: PlanReport, r: RankReport, prof: HardwareProfile) -> RankCost:
+def _rank_cost(rep: PlanReport, r: RankReport, prof: HardwareProfile, linear: LinearShape | None) -> RankCost:
     heads = r.heads or rep.num_heads
     d, dv = rep.head_dim, rep.v_head_dim
     flops = {p: 0.0 for p in PHASES}
@@ -156,17 +211,27 @@ def _rank_cost(rep: PlanReport, r: RankReport, prof: HardwareProfile) -> RankCos
             done.add(s)
         kend += sum(v[p] for s, v in comp.items() if s not in done)
         time[p] = coll + kend
+    lin = dict.fromkeys(PHASES, 0.0)
+    if linear is not None:
+        # the layer's projections and MLP run on the rank's tokens with all of its heads (a2a
+        # only regroups heads for the attention itself)
+        f = linear_flops(r.tokens, linear, rep.num_heads, rep.num_kv_heads, d, dv)
+        rate_l = (prof.gemm_tflops or prof.fwd_tflops) * 1e12
+        lin = {p: f[p] / rate_l for p in PHASES}
     return RankCost(
         rank=r.rank, flops=flops, compute_s=compute, comm_s=comm, time_s=time, work=r.work, calls=len(r.calls),
         tile_area=r.tile_area, bytes_sent=dict(r.bytes_sent), bytes_received=dict(r.bytes_received),
+        tokens=r.tokens, linear_s=lin,
     )  # fmt: skip
 
 
-def predict(report: PlanReport, profile: HardwareProfile) -> LayerCost:
-    """Predicted per-layer forward and backward time of ``report``'s plan on ``profile``."""
+def predict(report: PlanReport, profile: HardwareProfile, linear: LinearShape | None = None) -> LayerCost:
+    """Predicted per-layer forward and backward time of ``report``'s plan on ``profile``;
+    with ``linear`` (the model's widths) also each rank's whole-layer time
+    (:meth:`LayerCost.layer_time_s`)."""
     if not report.head_dim:
         raise ValueError("report lacks head shapes: build it with inspect_plan")
     out = LayerCost(comm_type=report.comm_type, profile=profile.name)
     for k, r in report.ranks.items():
-        out.ranks[k] = _rank_cost(report, r, profile)
+        out.ranks[k] = _rank_cost(report, r, profile, linear)
     return out

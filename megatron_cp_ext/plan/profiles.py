@@ -1,7 +1,8 @@
 """Hardware profiles for the cost model: kernel throughput, launch overhead and link speeds.
 
 The named GPU profiles are derived from datasheets: dense bf16 tensor-core peak times a
-flash-attention efficiency (about half of peak forward, less backward), NVLink bandwidth per
+flash-attention efficiency (about half of peak forward, less backward) and a large-GEMM
+efficiency (about two thirds of peak) for a layer's linear work, NVLink bandwidth per
 direction inside a node and one InfiniBand NIC per GPU across nodes. When
 ``plan/calibration.json`` (written by ``benchmarks/kernel_throughput.py`` on a GPU) holds an
 entry for a profile, its kernel constants are the measured ones. ``cpu-gloo`` is the profile
@@ -46,6 +47,9 @@ class HardwareProfile:
     """CP ranks per node: consecutive CP ranks share a node (divide GPUs per node by TP)."""
     description: str = ""
     """Where the numbers come from."""
+    gemm_tflops: float | None = None
+    """Sustained dense matmul throughput, TFLOP/s per rank, for a layer's linear work (QKV and
+    output projections, MLP); None: the attention forward throughput."""
     kernel: str = "flash"
     """What a call's compute is priced by: ``"flash"``, the 128x128 tiles it visits;
     ``"reference"``, the padded rectangles the CPU reference backend materialises (masked
@@ -55,6 +59,8 @@ class HardwareProfile:
         for f in ("fwd_tflops", "bwd_tflops", "intra_gbps", "inter_gbps"):
             if not getattr(self, f) > 0:
                 raise ValueError(f"profile {self.name!r}: {f} must be > 0, got {getattr(self, f)!r}")
+        if self.gemm_tflops is not None and not self.gemm_tflops > 0:
+            raise ValueError(f"profile {self.name!r}: gemm_tflops must be > 0, got {self.gemm_tflops!r}")
         for f in ("launch_us", "latency_us"):
             if not getattr(self, f) >= 0:
                 raise ValueError(f"profile {self.name!r}: {f} must be >= 0, got {getattr(self, f)!r}")
@@ -70,17 +76,20 @@ PROFILES: dict[str, HardwareProfile] = {
     p.name: p
     for p in (
         HardwareProfile(
-            name="h100-nvlink-ib400", fwd_tflops=500.0, bwd_tflops=400.0, launch_us=8.0, intra_gbps=450.0,
+            name="h100-nvlink-ib400", fwd_tflops=500.0, bwd_tflops=400.0, gemm_tflops=660.0, launch_us=8.0,
+            intra_gbps=450.0,
             inter_gbps=50.0, latency_us=10.0, ranks_per_node=8,
             description=f"H100 SXM (989 TFLOP/s dense bf16), NVLink4 450 GB/s, 400 Gb/s IB per GPU; {_DATASHEET}",
         ),
         HardwareProfile(
-            name="h200-nvlink-ib400", fwd_tflops=540.0, bwd_tflops=430.0, launch_us=8.0, intra_gbps=450.0,
+            name="h200-nvlink-ib400", fwd_tflops=540.0, bwd_tflops=430.0, gemm_tflops=700.0, launch_us=8.0,
+            intra_gbps=450.0,
             inter_gbps=50.0, latency_us=10.0, ranks_per_node=8,
             description=f"H200 SXM (H100 compute, faster HBM), NVLink4, 400 Gb/s IB per GPU; {_DATASHEET}",
         ),
         HardwareProfile(
-            name="a100-nvlink-ib200", fwd_tflops=190.0, bwd_tflops=150.0, launch_us=8.0, intra_gbps=300.0,
+            name="a100-nvlink-ib200", fwd_tflops=190.0, bwd_tflops=150.0, gemm_tflops=210.0, launch_us=8.0,
+            intra_gbps=300.0,
             inter_gbps=25.0, latency_us=10.0, ranks_per_node=8,
             description=f"A100 SXM (312 TFLOP/s dense bf16), NVLink3 300 GB/s, 200 Gb/s IB per GPU; {_DATASHEET}",
         ),

@@ -179,3 +179,48 @@ def test_calibration_file_replaces_kernel_constants(tmp_path):
     path.write_text(json.dumps({"b200": {"fwd_tflops": 1.0}}))
     with pytest.raises(ValueError, match="unknown profile 'b200'"):
         _calibrated(PROFILES, str(path))
+
+
+# ---- whole layer: linear work on the rank's tokens plus attention ----------------------------
+def test_whole_layer_time_is_linear_work_on_tokens_plus_attention():
+    from megatron_cp_ext.plan.cost import LinearShape
+
+    # one rank holds 3x the tokens of the others (a custom layout), the same attention pairs
+    # nowhere: only linear work differs, and the layer waits for that rank
+    cu = [0, 300, 400, 500, 600]
+    sh = mcx.CPSharding.from_segments(cu, [[(0, 0, 300)], [(1, 0, 100)], [(2, 0, 100)], [(3, 0, 100)]])
+    rep = mcx.inspect_plan(sh, "p2p", causal=False, **SHAPES)
+    assert rep.tokens == [300, 100, 100, 100] and rep.token_imbalance == pytest.approx(300 / 150)
+    prof = load_profile("h100", gemm_tflops=2.0)
+    shape = LinearShape(hidden=64, ffn=96, gated=True)
+    cost = predict(rep, prof, shape)
+    # per token: Q (8 heads x 16) + K (2 x 16) + V (2 x 8) from 64; out 8 x 8 -> 64; MLP 3 x 64 x 96
+    per_token = 2 * (64 * (8 * 16 + 2 * 16 + 2 * 8) + 8 * 8 * 64 + 3 * 64 * 96)
+    for k, r in cost.ranks.items():
+        assert r.tokens == rep.ranks[k].tokens
+        assert r.linear_s["forward"] == pytest.approx(rep.ranks[k].tokens * per_token / 2e12)
+        assert r.linear_s["backward"] == pytest.approx(2 * r.linear_s["forward"])
+        assert r.layer_s("forward") == pytest.approx(r.time_s["forward"] + r.linear_s["forward"])
+    slow = max(cost.ranks.values(), key=lambda r: r.layer_s("forward"))
+    assert slow.rank == 0 and cost.layer_time_s("forward") == pytest.approx(slow.layer_s("forward"))
+    assert cost.layer_total_s == pytest.approx(cost.layer_time_s("forward") + cost.layer_time_s("backward"))
+    # without widths the layer is the attention alone
+    bare = predict(rep, prof)
+    assert bare.layer_total_s == pytest.approx(bare.total_s)
+    with pytest.raises(ValueError, match="ffn"):
+        LinearShape(hidden=64, ffn=0)
+    with pytest.raises(ValueError, match="gemm_tflops"):
+        load_profile("h100", gemm_tflops=0.0)
+
+
+def test_equal_tokens_beat_drifting_tokens_on_the_whole_layer():
+    """Same attention pairs, tokens moved between ranks: the whole-layer prediction follows
+    the largest rank's tokens (what a balance that lets tokens drift would cost)."""
+    from megatron_cp_ext.plan.cost import LinearShape
+
+    cu = [0, 256, 512]
+    even = mcx.CPSharding.from_segments(cu, [[(0, 0, 256)], [(1, 0, 256)]])
+    uneven = mcx.CPSharding.from_segments(cu, [[(0, 0, 256), (1, 0, 128)], [(1, 128, 256)]])
+    shape = LinearShape(hidden=4096, ffn=14336)
+    t = [predict(mcx.inspect_plan(s, "p2p", **SHAPES), PROFILES["h100"], shape).layer_total_s for s in (even, uneven)]
+    assert t[1] > 1.3 * t[0]

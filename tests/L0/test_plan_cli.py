@@ -48,6 +48,33 @@ def test_rows_match_inspect_and_model(capsys):
         assert out["winner"][str(cp)] == {"comm_type": best["comm_type"], "balance": best["balance"]}
 
 
+def test_whole_layer_rows(capsys):
+    """--hidden/--ffn add the whole layer's time (the cost model's, slowest rank); tokens per
+    rank and their imbalance are in every row; the winner is the fastest whole layer."""
+    from megatron_cp_ext.plan.cost import LinearShape
+
+    lengths = ",".join(map(str, LENGTHS))
+    out = _json(capsys, ["--lengths", lengths, "--cp", "4", "--comm-type", "p2p,all_gather",
+                         "--balance", "workload,dualchunk", "--hidden", "256", "--ffn", "512"])  # fmt: skip
+    cu = [0]
+    for n in LENGTHS:
+        cu.append(cu[-1] + n)
+    for row in out["rows"]:
+        sh = mcx.shard_sequences(cu, 4, row["balance"])
+        rep = mcx.inspect_plan(sh, row["comm_type"], num_heads=8, num_kv_heads=2, head_dim=16)
+        cost = predict(rep, PROFILES["h100-nvlink-ib400"], LinearShape(hidden=256, ffn=512))
+        assert row["tokens"] == sh.counts() and max(row["tokens"]) - min(row["tokens"]) <= 1
+        assert row["token_imbalance"] == pytest.approx(max(sh.counts()) / (sum(LENGTHS) / 4))
+        assert row["layer_ms"] == pytest.approx(cost.layer_total_s * 1e3)
+        assert row["layer_ms"] > row["fwd_ms"] + row["bwd_ms"]
+    best = min(out["rows"], key=lambda r: r["layer_ms"])
+    assert out["winner"]["4"] == {"comm_type": best["comm_type"], "balance": best["balance"]}
+    assert cli.main(["--lengths", lengths, "--cp", "4", "--hidden", "256", "--ffn", "512", *BASE]) == 0
+    text = capsys.readouterr().out
+    assert "tok max/mean" in text and "layer ms" in text and "whole layer" in text
+    assert _json(capsys, ["--lengths", lengths, "--cp", "2"])["rows"][0]["layer_ms"] is None
+
+
 def test_sources_agree(capsys, tmp_path):
     lengths = ",".join(map(str, LENGTHS))
     a = _json(capsys, ["--lengths", lengths, "--cp", "4"])
@@ -88,6 +115,8 @@ def test_table_and_plot(capsys, tmp_path):
         (["--lengths", "10", "--cp", "8", "--a2a-size", "3"], "--a2a-size"),
         (["--lengths-file", "/nonexistent/lens"], "--lengths-file"),
         (["--dist", "lognormal", "--total", "0"], "--total"),
+        (["--lengths", "10", "--hidden", "64"], "--ffn"),
+        (["--lengths", "10", "--hidden", "0", "--ffn", "8"], "--hidden"),
         ([], "--lengths"),
     ],
 )

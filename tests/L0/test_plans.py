@@ -126,7 +126,9 @@ def test_all_gather_and_a2a_plans_exact_cover(mask_kw):
 
 
 def test_dense_masks_need_no_gathers_and_one_call_per_step():
-    """Workload layouts on a long-tail batch: dense-mask calls run on slices, one per step."""
+    """Workload layouts on a long-tail batch: dense-mask calls run on slices, at most two per step
+    (a document cut at rank boundaries can be shared by non-consecutive ranks; its rows then
+    sit in a second slice of the step)."""
     lens = mcx.batches.lognormal(1 << 16, seed=3)
     for mask_kw in (dict(causal=True), dict(causal=True, chunk_size=4096)):
         sh = mcx.shard_sequences(mcx.batches.cu_seqlens(lens), 8, **mask_kw)
@@ -134,7 +136,7 @@ def test_dense_masks_need_no_gathers_and_one_call_per_step():
         for r in rep.ranks.values():
             assert r.gathered_rows == 0
             steps = Counter(c.step for c in r.calls)
-            assert max(steps.values()) == 1, steps
+            assert max(steps.values()) <= 2, steps
 
 
 def test_plan_is_cached_on_sharding_and_uploaded_once():

@@ -34,13 +34,14 @@ def test_round_trip_random_lengths(cp, balance):
 
 
 def test_dualchunk_layout():
-    # one sequence of 10 tokens, cp=2 -> 4 chunks of sizes 2,3,2,3 (cuts at 0,2,5,7,10); with
-    # several sequences a rank holds all its first chunks, then all its second ones
+    # one sequence of 10 tokens, cp=2 -> 5 tokens per rank, each rank's two chunks 2 and 3
+    # (cuts at 0,2,4,7,10); with several sequences a rank holds all its first chunks, then all
+    # its second ones
     sh2 = mcx.shard_sequences([0, 4, 8], 2, "dualchunk")
     assert sh2.segments[0] == (Segment(0, 0, 1), Segment(1, 0, 1), Segment(0, 3, 4), Segment(1, 3, 4))
     sh = mcx.shard_sequences([0, 10], 2, "dualchunk")
     assert sh.segments[0] == (Segment(0, 0, 2), Segment(0, 7, 10))
-    assert sh.segments[1] == (Segment(0, 2, 5), Segment(0, 5, 7))
+    assert sh.segments[1] == (Segment(0, 2, 4), Segment(0, 4, 7))
     assert sh.positions(0).tolist() == [0, 1, 7, 8, 9]
     assert sh.global_index(1).tolist() == [2, 3, 4, 5, 6]
 
@@ -63,9 +64,10 @@ def test_sequences_in_order_and_short_sequences():
 
 
 def test_contiguous_layout():
+    # 11 tokens: rank 0 gets 6 (the odd token of the deal), so sequence 1 splits 2 + 1
     sh = mcx.shard_sequences([0, 8, 11], 2, balance="contiguous")
-    assert sh.segments[0] == (Segment(0, 0, 4), Segment(1, 0, 1))
-    assert sh.segments[1] == (Segment(0, 4, 8), Segment(1, 1, 3))
+    assert sh.segments[0] == (Segment(0, 0, 4), Segment(1, 0, 2))
+    assert sh.segments[1] == (Segment(0, 4, 8), Segment(1, 2, 3))
 
 
 def test_custom_segments_whole_sequences():

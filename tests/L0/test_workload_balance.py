@@ -41,16 +41,11 @@ def test_partition_alignment_tokens_and_work(batch, cp, mask):
     # every token exactly once
     idx = torch.cat([sh.global_index(r) for r in range(cp)])
     assert torch.equal(idx.sort().values, torch.arange(cu[-1]))
-    # cuts only at tile boundaries, except at a sequence's end
-    for s, a, b in sh.seg.tolist():
-        n = lens[s]
-        assert a % TILE == 0 or a == 0, (s, a, b)
-        assert b % TILE == 0 or b == n, (s, a, b)
-    # tokens equal within one piece: moving one of a rank's own ranges would even it out
-    tokens = np.array(sh.counts())
-    for r in range(cp):
-        seg = sh.rank_segments(r)
-        assert abs(tokens[r] - tokens.mean()) <= max(int((seg[:, 2] - seg[:, 1]).max(initial=0)), TILE), r
+    # equal tokens; a cut off a tile multiple (and not at a sequence's end) only where a rank
+    # boundary needs it: at most two per rank boundary
+    assert max(sh.counts()) - min(sh.counts()) <= 1
+    ragged = {(s, x) for s, a, b in sh.seg.tolist() for x in (a, b) if x % TILE and x != lens[s]}
+    assert len(ragged) <= 2 * (cp - 1), sorted(ragged)
     work = _work(sh, **MASKS[mask])
     dual = _work(mcx.shard_sequences(cu, cp, "dualchunk", **MASKS[mask]), **MASKS[mask])
     imbalance, dual_imbalance = work.max() / work.mean(), dual.max() / dual.mean()
@@ -65,7 +60,8 @@ def test_short_documents_stay_whole_and_long_ones_are_cut():
     pieces = {}
     for s, a, b in sh.seg.tolist():
         pieces.setdefault(s, []).append((a, b))
-    assert all(len(p) == 1 for s, p in pieces.items() if s > 0), "a short document was cut"
+    cut_short = [s for s, p in pieces.items() if s > 0 and len(p) > 1]
+    assert len(cut_short) <= 2 * 7, "short documents are cut only at rank boundaries"
     assert len(pieces[0]) >= 8, "the long document should be spread over the ranks"
     assert sh.rank_segments(0).shape[0] > 0
 

@@ -1,0 +1,149 @@
+"""Every balance gives every rank the same number of tokens (up to ``token_multiple``), never 0
+while the batch has ``cp * token_multiple`` tokens, as an exact partition; ``workload`` also
+balances attention work under every mask, at least as well as ``dualchunk``. Work is counted
+here per query from the mask's definition, independently of the package's geometry."""
+
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+import megatron_cp_ext as mcx
+from megatron_cp_ext.batches import cu_seqlens, lognormal
+
+MASKS = {
+    "causal": dict(causal=True),
+    "window1k": dict(causal=True, window_size=(1024, -1)),
+    "window4k": dict(causal=True, window_size=(4096, -1)),
+    "chunk2k": dict(causal=True, chunk_size=2048),
+    "nomask": dict(causal=False),
+}
+
+
+def _expected_counts(total: int, cp: int, m: int) -> list[int]:
+    """The documented rule: blocks of m dealt round-robin; the rest (total % m) to the next rank."""
+    q, rem = divmod(total, m)
+    out = [m * (q // cp + (r < q % cp)) for r in range(cp)]
+    out[q % cp] += rem
+    return out
+
+
+def _query_work(lens: list[int], mask: dict) -> np.ndarray:
+    """Visible keys of every query of the batch, straight from the mask's definition."""
+    out = []
+    for n in lens:
+        i = np.arange(n, dtype=np.int64)
+        if not mask.get("causal", True):
+            out.append(np.full(n, n, dtype=np.int64))
+            continue
+        first = np.zeros(n, dtype=np.int64)
+        left = mask.get("window_size", (-1, -1))[0]
+        if left >= 0:
+            first = np.maximum(first, i - left)
+        if mask.get("chunk_size"):
+            first = np.maximum(first, i // mask["chunk_size"] * mask["chunk_size"])
+        out.append(i - first + 1)
+    return np.concatenate(out) if out else np.zeros(0, np.int64)
+
+
+def _rank_work(sh: mcx.CPSharding, per_query: np.ndarray) -> np.ndarray:
+    return np.array([per_query[sh.global_index(r).numpy()].sum() for r in range(sh.cp_size)], dtype=float)
+
+
+def _random_lengths(rng: np.random.Generator) -> list[int]:
+    kind = rng.integers(4)
+    if kind == 0:  # a few tiny documents with zeros and ones
+        return rng.choice([0, 1, 2, 3, 17, 129, 300], size=rng.integers(1, 12)).tolist()
+    if kind == 1:  # one long document
+        return [int(rng.integers(1, 20000))]
+    median, sigma = int(2 ** rng.uniform(4, 12)), rng.uniform(0, 2)
+    return lognormal(int(rng.integers(1, 40000)), median=median, sigma=sigma, seed=int(rng.integers(1 << 30)))
+
+
+@pytest.mark.parametrize("balance", mcx.BALANCES)
+def test_equal_tokens_exact_partition_random(balance):
+    rng = np.random.default_rng(len(balance))
+    for _ in range(60):
+        lens = _random_lengths(rng)
+        cp = int(rng.choice([1, 2, 3, 4, 8, 16, 64]))
+        m = int(rng.choice([1, 2, 4, 8]))
+        mask = MASKS[list(MASKS)[rng.integers(len(MASKS))]]
+        cu = cu_seqlens(lens)
+        sh = mcx.shard_sequences(torch.tensor(cu), cp, balance, token_multiple=m, **mask)
+        total = cu[-1]
+        assert sh.counts() == _expected_counts(total, cp, m), (lens, cp, m)
+        assert max(sh.counts()) - min(sh.counts()) <= m
+        if total >= cp * m:
+            assert min(sh.counts()) > 0
+        if total % m == 0:
+            assert all(c % m == 0 for c in sh.counts())
+        idx = torch.cat([sh.global_index(r) for r in range(cp)])
+        assert torch.equal(idx.sort().values, torch.arange(total))
+        assert sh.token_multiple == m
+
+
+def test_six_documents_at_cp4():
+    """The batch that left a rank empty: 37, 120, 0, 65, 201, 1 tokens."""
+    cu = cu_seqlens([37, 120, 0, 65, 201, 1])
+    for balance in mcx.BALANCES:
+        for mask in MASKS.values():
+            assert mcx.shard_sequences(cu, 4, balance, **mask).counts() == [106] * 4
+    assert mcx.shard_sequences(cu, 4, token_multiple=8).counts() == [112, 104, 104, 104]
+
+
+@pytest.mark.parametrize("m", [2, 4, 8])
+def test_token_multiple(m):
+    lens = lognormal(50000 + 3, median=700, sigma=1.2, seed=m)
+    cu = cu_seqlens(lens)
+    for balance in mcx.BALANCES:
+        sh = mcx.shard_sequences(cu, 8, balance, token_multiple=m)
+        c = sh.counts()
+        r = (cu[-1] // m) % 8  # the one rank that also takes the 3 tokens past the last block
+        assert [x % m for i, x in enumerate(c) if i != r] == [0] * 7 and c[r] % m == cu[-1] % m
+        assert max(c) - min(c) <= m and sum(c) == cu[-1]
+        back = pickle.loads(pickle.dumps(sh))
+        assert back.token_multiple == m and back.counts() == c
+    assert mcx.rank_counts(cu[-1], 8, m) == _expected_counts(cu[-1], 8, m)
+
+
+def test_token_multiple_is_checked():
+    for bad in (0, -2):
+        with pytest.raises(mcx.CPArgumentError, match="token_multiple"):
+            mcx.shard_sequences([0, 10], 2, token_multiple=bad)
+    for bad in (2.0, "2", True):
+        with pytest.raises((mcx.CPArgumentError, TypeError), match="token_multiple"):
+            mcx.shard_sequences([0, 10], 2, token_multiple=bad)
+
+
+def _family(seed: int, count: int):
+    """Random batches: totals 4K-64K, cp 2-16, medians 256-8K, log-std up to 2."""
+    rng = np.random.default_rng(seed)
+    for _ in range(count):
+        total = int(2 ** rng.uniform(12, 16))
+        lens = lognormal(
+            total, median=int(2 ** rng.uniform(8, 13)), sigma=rng.uniform(0, 2), seed=int(rng.integers(1 << 30))
+        )
+        yield lens, int(2 ** rng.integers(1, 5)), int(rng.choice([1, 1, 2, 8]))
+
+
+@pytest.mark.parametrize("mask", MASKS)
+def test_workload_balances_work_at_equal_tokens(mask):
+    """max/mean work <= 1.03 on a random family, and within 0.5% of dual-chunk or better."""
+    for lens, cp, m in _family(list(MASKS).index(mask), 12):
+        cu = cu_seqlens(lens)
+        per_query = _query_work(lens, MASKS[mask])
+        w = _rank_work(mcx.shard_sequences(cu, cp, token_multiple=m, **MASKS[mask]), per_query)
+        d = _rank_work(mcx.shard_sequences(cu, cp, "dualchunk", token_multiple=m, **MASKS[mask]), per_query)
+        ratio, dual = w.max() / w.mean(), d.max() / d.mean()
+        assert ratio <= 1.03, (len(lens), cu[-1], cp, m, ratio)
+        assert ratio <= dual + 0.005, (len(lens), cu[-1], cp, m, ratio, dual)
+
+
+def test_workload_work_on_one_long_document():
+    lens = [100_000]
+    for mask in MASKS.values():
+        per_query = _query_work(lens, mask)
+        for cp in (2, 8, 32):
+            w = _rank_work(mcx.shard_sequences(cu_seqlens(lens), cp, **mask), per_query)
+            assert w.max() / w.mean() <= 1.003
