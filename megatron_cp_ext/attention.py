@@ -343,6 +343,18 @@ def cp_attention(
         window_size=window_size, chunk_size=chunk_size, softmax_scale=softmax_scale, softmax_offset=softmax_offset,
         backend=backend, check=check,
     )  # fmt: skip
+    return _run(q, k, v, args)
+
+
+@torch.compiler.disable(reason="host side: validation, cross-rank agreement, plan lookup, collectives")
+def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: dict) -> torch.Tensor:
+    """Everything behind :func:`cp_attention`, run eagerly under ``torch.compile``.
+
+    The host side reads Python objects that change every micro-batch (the sharding, its numpy
+    plan, process groups); traced, it would crash in numpy code or recompile per micro-batch.
+    Excluded as one unit, the surrounding model compiles with one graph break per call and
+    the same guards for every micro-batch (``docs/compile.md``).
+    """
     known = _Known()
     try:
         c = _prepare(q, k, v, args, known)
@@ -352,6 +364,9 @@ def cp_attention(
     _agree(c)
     out = _dispatch(c, _get_plan(c))
     if c.seq_dims is None:
+        # the compiled code after the call then treats the token count as dynamic from the
+        # first micro-batch instead of recompiling on the second (a no-op outside compile)
+        torch._dynamo.maybe_mark_dynamic(out, 0)
         return out
     b, s_local = c.seq_dims
     halves = 2 if c.sharding.cp_size > 1 else 1
