@@ -129,20 +129,26 @@ class _A2AAttention(torch.autograd.Function):
                 out_h, lse = apply_sink(out_h, lse, offset[h0:h1])
         else:  # a member without heads computes nothing (its peers in the other groups neither)
             out_h, lse = new_accumulators(q_h, v.shape[-1])
-        out_h = out_h.to(q.dtype)
-        ctx.save_for_backward(q_h, kv_h, out_h, lse, offset)
+        out_h = out_h.to(q.dtype).index_select(0, plan.perms_on(q.device)[1])
+        y = from_heads(out_h, q_parts, plan.counts, me, a2a_group, q.shape[0], q.shape[1])
+        del out_h
+        # the output itself is saved (the next layer keeps it anyway), not a head-sharded copy;
+        # backward moves it back to heads in the same all-to-all as dout
+        ctx.save_for_backward(q_h, kv_h, lse, offset, y)
         ctx.run, ctx.group, ctx.heads, ctx.dk, ctx.t = run, a2a_group, heads, dk, q.shape[0]
         ctx.hq, ctx.hkv = q.shape[1], k.shape[1]
-        y = out_h.index_select(0, plan.perms_on(q.device)[1])
-        return from_heads(y, q_parts, plan.counts, me, a2a_group, q.shape[0], q.shape[1])
+        return y
 
     @staticmethod
     def backward(ctx, dout):
-        q_h, kv_h, out_h, lse, offset = ctx.saved_tensors
+        q_h, kv_h, lse, offset, y = ctx.saved_tensors
         plan, group, dk, dtype = ctx.run.plan, ctx.group, ctx.dk, q_h.dtype
         (q_parts, kv_parts), me = ctx.heads, plan.member
         perm, inv = plan.perms_on(dout.device)
-        dout_h = to_heads(dout.contiguous(), q_parts, plan.counts, me, group).index_select(0, perm)
+        dv = y.shape[-1]
+        both = to_heads(torch.cat([dout.to(y.dtype), y], dim=-1), q_parts, plan.counts, me, group)
+        both = both.index_select(0, perm)
+        dout_h, out_h = both[..., :dv], both[..., dv:]
         h0, h1 = q_parts[me]
         d_off = None
         if h1 > h0:
