@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..backends import reference
 
-__all__ = ["flash_stub", "Tracker", "saved_bytes"]
+__all__ = ["flash_stub", "Tracker", "saved_bytes", "add_storage"]
 
 _LIB = torch.library.Library("mcx_testing", "DEF")  # noqa: TOR901 - test-only ops
 _LIB.define("stub_fwd(Tensor q, Tensor k, Tensor v) -> (Tensor, Tensor)")
@@ -82,6 +82,8 @@ class Tracker(TorchDispatchMode):
         self._live: dict[int, tuple[StorageWeakRef, int]] = {}
         self.live = 0
         self.peak = 0
+        self.at_peak: tuple[str, list[int]] = ("", [])
+        """The op after which the peak was reached and the sizes alive then (largest first)."""
 
     def track(self, *tensors: torch.Tensor) -> None:
         """Count these (already allocated) tensors as live."""
@@ -119,7 +121,9 @@ class Tracker(TorchDispatchMode):
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 self._add(t)
-        self.peak = max(self.peak, self.live)
+        if self.live > self.peak:
+            self.peak = self.live
+            self.at_peak = (func.name(), sorted((n for _, n in self._live.values()), reverse=True))
         return out
 
     @property
@@ -131,17 +135,21 @@ _METADATA = {torch.ops.aten.detach.default, torch.ops.aten.lift_fresh.default}
 
 
 @contextlib.contextmanager
-def saved_bytes() -> Iterator[list[int]]:
-    """Bytes of the distinct storages autograd saves for backward inside the block (appended
-    to the yielded list when the block ends)."""
-    seen: dict[int, int] = {}
+def saved_bytes(seen: dict[int, int] | None = None) -> Iterator[dict[int, int]]:
+    """The distinct storages autograd saves for backward inside the block, as
+    ``{storage id: bytes}`` (filled while the block runs). Add the block's outputs with
+    :func:`add_storage` to count what the next layer keeps too."""
+    seen = {} if seen is None else seen
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         ref = StorageWeakRef(t.untyped_storage())
         seen.setdefault(ref.cdata, t.untyped_storage().nbytes())
         return t
 
-    result: list[int] = []
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        yield result
-    result.append(sum(seen.values()))
+        yield seen
+
+
+def add_storage(seen: dict[int, int], t: torch.Tensor) -> None:
+    """Count ``t``'s storage in ``seen`` (once, however many tensors view it)."""
+    seen.setdefault(StorageWeakRef(t.untyped_storage()).cdata, t.untyped_storage().nbytes())
