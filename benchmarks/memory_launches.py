@@ -63,10 +63,8 @@ def _layer(rank, world, args, comm, group, sharding):
     tr.reset_peak()
     with tr:
         out.backward(dout)
-    res = dict(
-        fwd=fwd_peak / ideal, bwd=tr.peak / ideal, saved=sum(saved.values()) / ideal, fwd_ops=fwd_ops, bwd_ops=tr.num_ops,
-        calls=fwd_kernels,
-    )  # fmt: skip
+    res = dict(fwd=fwd_peak / ideal, bwd=tr.peak / ideal, saved=sum(saved.values()) / ideal)
+    res.update(fwd_ops=fwd_ops, bwd_ops=tr.num_ops, calls=fwd_kernels)
     if args.host_ms:
         res["host_ms"] = _host_ms(q, k, v, dout, call, args.iters)
     return res
