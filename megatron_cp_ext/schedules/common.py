@@ -19,7 +19,7 @@ from ..ops import LSE_FLOOR, gather_rows, index_add_rows, merge_partial
 from ..plan import VarlenCall
 
 __all__ = ["Run", "take", "accumulate", "step_forward", "step_backward", "pack_kv", "new_accumulators", "acc_dtype"]
-__all__ += ["apply_sink", "sink_grad"]
+__all__ += ["apply_sink", "sink_grad", "GradAcc"]
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,30 @@ def accumulate(acc: torch.Tensor, sl: tuple[int, int] | None, idx: torch.Tensor 
         acc[sl[0] : sl[1]].add_(src)
     else:
         index_add_rows(acc, idx, src)
+
+
+class GradAcc:
+    """A gradient accumulator made on first use: the first partial that covers every row in
+    the accumulator's dtype (the own block's call over all local queries, typically) becomes
+    the accumulator instead of being added to zeros — one ``[t, H, D]`` buffer fewer alive."""
+
+    def __init__(self, like: torch.Tensor) -> None:
+        self.shape, self.dtype, self.device = like.shape, acc_dtype(like), like.device
+        self.t: torch.Tensor | None = None
+
+    def add(self, sl: tuple[int, int] | None, idx: torch.Tensor | None, src: torch.Tensor) -> None:
+        if self.t is None:
+            whole = sl == (0, self.shape[0]) and src.shape == self.shape
+            if whole and src.dtype == self.dtype and src.is_contiguous():
+                self.t = src
+                return
+            self.t = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+        accumulate(self.t, sl, idx, src)
+
+    def result(self) -> torch.Tensor:
+        if self.t is None:
+            self.t = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+        return self.t
 
 
 def pack_kv(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -94,7 +118,7 @@ def step_backward(
     run: Run,
     saved: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
     kv: torch.Tensor,
-    dq: torch.Tensor,
+    dq: GradAcc,
     dkv: torch.Tensor,
 ) -> None:
     """Accumulate this step's gradients: ``dq`` for local queries, ``dkv`` for the KV buffer.
@@ -109,7 +133,7 @@ def step_backward(
             take(dout, *qs), take(q, *qs), kv_c[..., : run.dk], kv_c[..., run.dk :], take(out, *qs), take(lse, *qs),
             c.cu_seqlens_q, c.cu_seqlens_k, c.max_seqlen_q, c.max_seqlen_k, c.causal, c.window, run.scale,
         )  # fmt: skip
-        accumulate(dq, *qs, g_q)
+        dq.add(*qs, g_q)
         del g_q
         # K and V halves of the packed buffer separately: no per-call cat
         accumulate(dkv[..., : run.dk], *ks, g_k)

@@ -19,7 +19,7 @@ import torch
 
 from ..comm import Peers
 from ..ops import gather_rows
-from .common import Run, acc_dtype, accumulate, new_accumulators, pack_kv, step_backward, step_forward
+from .common import GradAcc, Run, acc_dtype, accumulate, new_accumulators, pack_kv, step_backward, step_forward
 from .p2p_plan import P2PPlan, Rows, Step, build_plan
 
 __all__ = ["P2PPlan", "build_plan", "forward", "backward", "backward_packed"]
@@ -115,7 +115,7 @@ def backward_packed(run: Run, dout, q, kv, out, lse) -> tuple[torch.Tensor, torc
     """:func:`backward` on packed ``kv``; returns ``dq`` and the packed ``dkv`` (accumulator dtype)."""
     saved = (dout, q, out, lse)
     walk = _Steps(run, kv)
-    dq = torch.zeros(q.shape, dtype=acc_dtype(q), device=q.device)
+    dq = GradAcc(q)
     dkv = torch.zeros(walk.own.shape, dtype=acc_dtype(q), device=q.device)
     pending = walk.post_kv(1)
     step_backward(walk.plan.own.on(q.device), run, saved, walk.own, dq, dkv)
@@ -137,4 +137,4 @@ def backward_packed(run: Run, dout, q, kv, out, lse) -> tuple[torch.Tensor, torc
             home = (batch, back, st.send, part)
         pending = nxt
     _land(home, dkv)
-    return dq, dkv
+    return dq.result(), dkv
