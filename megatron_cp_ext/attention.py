@@ -30,7 +30,8 @@ from .schedules import SCHEDULES, a2a, build_plan
 from .schedules.common import Run, apply_sink, sink_grad
 from .schedules.max_logit import new_max_logit, reduce_max_logit
 from .schedules.p2p import P2PPlan
-from .sharding import CPSharding, shard_sequences
+from .seq_layout import fixed_length_sharding, rows_to_thd, seq_to_thd, thd_to_seq
+from .sharding import CPSharding
 from .validation import (
     DTYPES,
     CPArgumentError,
@@ -142,9 +143,9 @@ def _prepare(q, k, v, a: dict, known: _Known) -> _Call:
     backend_name = as_choice(a["backend"], "backend", BACKENDS)
     seq_dims = None
     if fmt != "thd":
-        q, k, v, seq_dims = _seq_to_thd(q, k, v, fmt)
-        sharding = _fixed_length_sharding(*seq_dims, groups.size, fmt)
-        q, k, v = (_rows_to_thd(x, groups.size) for x in (q, k, v))
+        q, k, v, seq_dims = seq_to_thd(q, k, v, fmt)
+        sharding = fixed_length_sharding(*seq_dims, groups.size, fmt)
+        q, k, v = (rows_to_thd(x, groups.size) for x in (q, k, v))
     shapes = check_qkv(q, k, v)
     if groups.size != sharding.cp_size:
         raise CPArgumentError(f"cp_group has {groups.size} ranks but sharding.cp_size is {sharding.cp_size}")
@@ -242,48 +243,6 @@ def _get_plan(c: _Call):
     return plan
 
 
-_SEQ_SHARDINGS: dict[tuple[int, int, int], CPSharding] = {}
-
-
-def _fixed_length_sharding(b: int, s_local: int, cp: int, qkv_format: str) -> CPSharding:
-    """The dual-chunk sharding Megatron uses for bshd/sbhd (cached: it never changes)."""
-    s = s_local * cp
-    if cp > 1 and s % (2 * cp):
-        raise CPArgumentError(
-            f"{qkv_format} needs the global sequence length of q ({s_local} local x cp {cp} = {s}) "
-            f"divisible by 2*cp = {2 * cp}"
-        )
-    key = (b, s, cp)
-    if key not in _SEQ_SHARDINGS:
-        _SEQ_SHARDINGS[key] = shard_sequences([i * s for i in range(b + 1)], cp, "dualchunk")
-    return _SEQ_SHARDINGS[key]
-
-
-def _seq_to_thd(q, k, v, fmt: str):
-    """bshd/sbhd: b sequences of equal length, checked and viewed as ``[b, s_local, h, d]``."""
-    layout = "[b, s/cp, heads, head_dim]" if fmt == "bshd" else "[s/cp, b, heads, head_dim]"
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(x, torch.Tensor):
-            raise CPArgumentTypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-        if x.dim() != 4:
-            raise CPArgumentError(f"{name} must be 4-D {layout} for qkv_format={fmt!r}, got shape {tuple(x.shape)}")
-    if fmt == "sbhd":
-        q, k, v = (x.transpose(0, 1) for x in (q, k, v))
-    if k.shape[:2] != q.shape[:2] or v.shape[:2] != q.shape[:2]:
-        dims = ", ".join(f"{n} {tuple(x.shape[:2])}" for n, x in (("q", q), ("k", k), ("v", v)))
-        raise CPArgumentError(f"q, k, v batch/sequence dims differ: {dims}")
-    return q, k, v, tuple(q.shape[:2])
-
-
-def _rows_to_thd(x: torch.Tensor, cp: int) -> torch.Tensor:
-    """``[b, s_local, ...]`` -> thd rows in the dual-chunk sharding's order: Megatron's local
-    row is ``[chunk r | chunk 2cp-1-r]``; the sharding holds all first chunks, then all second
-    ones (one copy here, and every step's rows are slices)."""
-    b, s_local = x.shape[:2]
-    halves = 2 if cp > 1 else 1
-    return x.unflatten(1, (halves, s_local // halves)).transpose(0, 1).reshape(b * s_local, *x.shape[2:])
-
-
 def cp_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -352,12 +311,24 @@ def cp_attention(
     args = dict(
         cp_group=cp_group, comm_type=comm_type, qkv_format=qkv_format, sharding=sharding, causal=causal,
         window_size=window_size, chunk_size=chunk_size, softmax_scale=softmax_scale, softmax_offset=softmax_offset,
-        backend=backend, check=check,
+        backend=backend, check=check, return_max_logit=return_max_logit,
     )  # fmt: skip
+    return _run(q, k, v, args)
+
+
+@torch.compiler.disable(reason="host side: validation, cross-rank agreement, plan lookup, collectives")
+def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: dict):
+    """Everything behind :func:`cp_attention`, run eagerly under ``torch.compile``.
+
+    The host side reads Python objects that change every micro-batch (the sharding, its numpy
+    plan, process groups); traced, it would crash in numpy code or recompile per micro-batch.
+    Excluded as one unit, the surrounding model compiles with one graph break per call and
+    the same guards for every micro-batch (``docs/compile.md``).
+    """
     known = _Known()
     try:
         c = _prepare(q, k, v, args, known)
-        c.max_logit = as_bool(return_max_logit, "return_max_logit")
+        c.max_logit = as_bool(args["return_max_logit"], "return_max_logit")
     except (ValueError, TypeError) as err:
         agr.raise_everywhere(err, known.groups, known.cp_size, known.cp_rank)
         raise  # unreachable: raise_everywhere always raises
@@ -366,20 +337,14 @@ def cp_attention(
     max_logit, heads = _max_logit_accumulator(c, plan) if c.max_logit else (None, None)
     out = _dispatch(c, plan, max_logit)
     if c.seq_dims is not None:
-        out = _thd_to_seq(out, c)
+        out = thd_to_seq(out, c.fmt, c.seq_dims, c.sharding.cp_size)
+    else:
+        # the compiled code after the call then treats the token count as dynamic from the
+        # first micro-batch instead of recompiling on the second (a no-op outside compile)
+        torch._dynamo.maybe_mark_dynamic(out, 0)
     if not c.max_logit:
         return out
     return out, reduce_max_logit(max_logit, c.groups, c.shapes.hq, heads)
-
-
-def _thd_to_seq(out: torch.Tensor, c: _Call) -> torch.Tensor:
-    """Inverse of :func:`_rows_to_thd` for the output (bshd/sbhd)."""
-    b, s_local = c.seq_dims
-    halves = 2 if c.sharding.cp_size > 1 else 1
-    out = out.view(halves, b, s_local // halves, *out.shape[1:])
-    if c.fmt == "sbhd":
-        return out.permute(0, 2, 1, 3, 4).reshape(s_local, b, *out.shape[3:])
-    return out.transpose(0, 1).reshape(b, s_local, *out.shape[3:])
 
 
 def _max_logit_accumulator(c: _Call, plan) -> tuple[torch.Tensor, tuple[int, int] | None]:

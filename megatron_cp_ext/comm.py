@@ -9,11 +9,24 @@ directly, so nothing is un-padded by a copy.
 from __future__ import annotations
 
 import datetime
+import weakref
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["Peers", "all_gather_padded", "reduce_scatter_padded", "exchange_ints"]
+__all__ = ["Peers", "all_gather_padded", "reduce_scatter_padded", "exchange_ints", "global_ranks"]
+
+_GLOBAL_RANKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""Per process group (weakly held, like :mod:`.groups`' cache)."""
+
+
+def global_ranks(group: dist.ProcessGroup) -> tuple[int, ...]:
+    """Global rank of each group rank, built once per group: ``get_global_rank`` scans the
+    group's rank map (O(size) per lookup, O(size²) for the table) and every layer needs it."""
+    table = _GLOBAL_RANKS.get(group)
+    if table is None:
+        table = _GLOBAL_RANKS[group] = tuple(dist.get_global_rank(group, r) for r in range(dist.get_world_size(group)))
+    return table
 
 
 class Peers:
@@ -30,7 +43,7 @@ class Peers:
     def __init__(self, group: dist.ProcessGroup, tag: int = 0) -> None:
         self.group = group
         self.tag = tag
-        self._global = [dist.get_global_rank(group, r) for r in range(dist.get_world_size(group))]
+        self._global = global_ranks(group)
 
     def post(self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]]) -> list:
         """Start ``sends`` (peer, tensor) and ``recvs`` (peer, buffer); returns the batch."""

@@ -21,7 +21,7 @@ import importlib
 
 import torch
 
-__all__ = ["HAS_CUDA_EXT", "gather_rows", "index_add_rows", "merge_partial"]
+__all__ = ["HAS_CUDA_EXT", "LSE_FLOOR", "gather_rows", "index_add_rows", "merge_partial"]
 
 
 def _load_extension() -> str | None:
@@ -95,7 +95,8 @@ def gather_rows_torch(x_T: torch.Tensor, idx_N: torch.Tensor) -> torch.Tensor:
 
 
 def index_add_rows_torch(acc_T: torch.Tensor, idx_N: torch.Tensor, src_N: torch.Tensor) -> None:
-    """Fallback of :func:`index_add_rows`; always the pure-torch path."""
+    """Fallback of :func:`index_add_rows`; always the pure-torch path (one op when the dtypes
+    match: ``.to`` returns ``src_N`` itself)."""
     acc_T.index_add_(0, idx_N, src_N.to(acc_T.dtype))
 
 
@@ -105,24 +106,36 @@ def merge_partial_torch(
     part_out_NHD: torch.Tensor,
     part_lse_NH: torch.Tensor,
     idx_N: torch.Tensor | None,
+    *,
+    acc_finite: bool = False,
 ) -> None:
-    """Fallback of :func:`merge_partial`; always the pure-torch path."""
+    """Fallback of :func:`merge_partial`; always the pure-torch path.
+
+    In place and in four ops for a row slice (the common call): the partial's weight is
+    ``sigmoid(part_lse - lse)`` (= ``exp(part_lse - new_lse)``), ``out`` moves towards the partial
+    by it (``lerp_``) and ``lse`` becomes ``logaddexp``. No ``[N, H, D]`` temporary is made
+    (one more op and one temporary when the partial's dtype differs, for 16-bit partials).
+    Unless ``acc_finite`` (the accumulator's lse holds no -inf, e.g. starts at
+    :data:`LSE_FLOOR`), a fifth op pins the weight of rows empty on both sides to 0.
+    """
     if idx_N is None:
         acc_out, acc_lse = out_THD, lse_TH
     else:
         acc_out, acc_lse = out_THD.index_select(0, idx_N), lse_TH.index_select(0, idx_N)
-    new_lse = torch.logaddexp(acc_lse, part_lse_NH)
-    # exp(-inf - -inf) would be NaN: pin the reference to 0 where nothing is visible at all.
-    safe = torch.where(torch.isneginf(new_lse), torch.zeros_like(new_lse), new_lse)
-    w_acc = torch.exp(acc_lse - safe).unsqueeze(-1)
-    w_part = torch.exp(part_lse_NH - safe).unsqueeze(-1)
-    merged = acc_out * w_acc + part_out_NHD.to(acc_out.dtype) * w_part
-    if idx_N is None:
-        out_THD.copy_(merged)
-        lse_TH.copy_(new_lse)
-    else:
-        out_THD.index_copy_(0, idx_N, merged)
-        lse_TH.index_copy_(0, idx_N, new_lse)
+    w = torch.sub(part_lse_NH, acc_lse).sigmoid_()
+    if not acc_finite:
+        w.nan_to_num_(nan=0.0)  # -inf - -inf: nothing on either side, keep the accumulator
+    part = part_out_NHD if part_out_NHD.dtype == acc_out.dtype else part_out_NHD.to(acc_out.dtype)
+    acc_out.lerp_(part, w.unsqueeze(-1))
+    torch.logaddexp(acc_lse, part_lse_NH, out=acc_lse)
+    if idx_N is not None:
+        out_THD.index_copy_(0, idx_N, acc_out)
+        lse_TH.index_copy_(0, idx_N, acc_lse)
+
+
+LSE_FLOOR = -1e30
+"""Start value of lse accumulators: finite, so merges need no NaN guard; below any real
+log-sum-exp, so it merges exactly like -inf (weight 0, ``logaddexp`` unchanged)."""
 
 
 # --- public API ---
@@ -152,6 +165,8 @@ def merge_partial(
     part_out_NHD: torch.Tensor,
     part_lse_NH: torch.Tensor,
     idx_N: torch.Tensor | None,
+    *,
+    acc_finite: bool = False,
 ) -> None:
     """Merge a partial attention result into fp32 (or fp64) accumulators, in place.
 
@@ -159,7 +174,9 @@ def merge_partial(
     was seen yet) hold the
     softmax-normalised output and log-sum-exp over the keys merged so far. The partial result
     covers rows ``idx_N`` (all rows in order when ``None``; rows must be distinct). Rows where
-    both sides are ``-inf`` stay zero and ``-inf`` — never NaN.
+    both sides are ``-inf`` stay zero and ``-inf`` — never NaN. ``acc_finite=True`` promises
+    that ``lse_TH`` holds no ``-inf`` (accumulators started at :data:`LSE_FLOOR`), which saves
+    the fallback one op.
     """
     fp32 = (out_THD, lse_TH, part_lse_NH)
     dtypes_ok = all(t.dtype == torch.float32 for t in fp32) and part_out_NHD.dtype in (
@@ -170,4 +187,4 @@ def merge_partial(
     if dtypes_ok and (idx_N is None or _is_index(idx_N)) and _use_kernel(*fp32, part_out_NHD, *extra):
         torch.ops.megatron_cp_ext.merge_partial_(out_THD, lse_TH, part_out_NHD, part_lse_NH, idx_N)
     else:
-        merge_partial_torch(out_THD, lse_TH, part_out_NHD, part_lse_NH, idx_N)
+        merge_partial_torch(out_THD, lse_TH, part_out_NHD, part_lse_NH, idx_N, acc_finite=acc_finite)

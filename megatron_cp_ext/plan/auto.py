@@ -2,7 +2,9 @@
 
 The choice is a pure function of the (global) sharding, the mask, the head shapes, the group
 sizes and the profile, so every rank computes the same answer without communicating; it is
-cached on the sharding next to its plans. The profile is :func:`set_auto_profile`'s, else the
+cached on the sharding in its own attribute, which — unlike the plans — is pickled with it:
+a data-loader worker can call :func:`choose_comm_type` ahead of the step and the training
+process finds the answer. The profile is :func:`set_auto_profile`'s, else the
 ``MCX_PLAN_PROFILE`` environment variable (a name or a file; set it identically on every
 rank), else ``h100-nvlink-ib400`` on CUDA and ``cpu-gloo`` on CPU.
 """
@@ -43,6 +45,11 @@ def auto_profile(device: torch.device) -> HardwareProfile:
     return load_profile("h100-nvlink-ib400" if device.type == "cuda" else "cpu-gloo")
 
 
+def _choices(sharding: CPSharding) -> dict:
+    """The sharding's auto choices (an instance attribute: survives pickling, plans do not)."""
+    return sharding.__dict__.setdefault("_auto_choices", {})
+
+
 def choose_comm_type(
     sharding: CPSharding,
     mask: MaskSpec,
@@ -60,7 +67,7 @@ def choose_comm_type(
     """The candidate with the lowest predicted layer time (forward, plus backward if
     ``backward``; ties go to the earlier candidate) and every candidate's predicted seconds."""
     key = ("auto", mask, candidates, a2a_size, num_heads, num_kv_heads, head_dim, v_head_dim, dtype, profile, backward)
-    hit = sharding._plans.get(key)
+    hit = _choices(sharding).get(key)
     if hit is not None:
         LAST[0] = hit
         return hit
@@ -74,7 +81,7 @@ def choose_comm_type(
         cost = predict(rep, profile)
         times[ct] = cost.total_s if backward else cost.forward_s
     best = min(candidates, key=lambda ct: times[ct])
-    sharding._plans[key] = LAST[0] = (best, times)
+    _choices(sharding)[key] = LAST[0] = (best, times)
     note = (best, candidates, sharding.cp_size, profile.name)
     level = logging.INFO if note not in _LOGGED else logging.DEBUG
     _LOGGED.add(note)

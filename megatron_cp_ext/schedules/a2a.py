@@ -124,43 +124,49 @@ class _A2AAttention(torch.autograd.Function):
         q_h = to_heads(q, q_parts, plan.counts, me, a2a_group).index_select(0, perm)
         h0, h1 = q_parts[me]
         if h1 > h0:
-            out_h, lse = p2p.forward(run.ring, q_h, kv_h[..., :dk], kv_h[..., dk:])
+            out_h, lse = p2p.forward(run.ring, q_h, kv_h[..., :dk], kv_h[..., dk:], kv=kv_h)
             if offset is not None:
                 out_h, lse = apply_sink(out_h, lse, offset[h0:h1])
         else:  # a member without heads computes nothing (its peers in the other groups neither)
             out_h, lse = new_accumulators(q_h, v.shape[-1])
-        out_h = out_h.to(q.dtype)
-        ctx.save_for_backward(q_h, kv_h, out_h, lse, offset)
+        send = [out_h.to(q.dtype).index_select(0, plan.perms_on(q.device)[1])]
+        del out_h  # the accumulator: freed once permuted
+        y = from_heads(send, q_parts, plan.counts, me, a2a_group, q.shape[0], q.shape[1])
+        # the output itself is saved (the next layer keeps it anyway), not a head-sharded copy;
+        # backward moves it back to heads in the same all-to-all as dout
+        ctx.save_for_backward(q_h, kv_h, lse, offset, y)
         ctx.run, ctx.group, ctx.heads, ctx.dk, ctx.t = run, a2a_group, heads, dk, q.shape[0]
         ctx.hq, ctx.hkv = q.shape[1], k.shape[1]
-        y = out_h.index_select(0, plan.perms_on(q.device)[1])
-        return from_heads(y, q_parts, plan.counts, me, a2a_group, q.shape[0], q.shape[1])
+        return y
 
     @staticmethod
     def backward(ctx, dout):
-        q_h, kv_h, out_h, lse, offset = ctx.saved_tensors
+        q_h, kv_h, lse, offset, y = ctx.saved_tensors
         plan, group, dk, dtype = ctx.run.plan, ctx.group, ctx.dk, q_h.dtype
         (q_parts, kv_parts), me = ctx.heads, plan.member
         perm, inv = plan.perms_on(dout.device)
+        # two all-to-alls rather than one of [dout | out]: the concatenation would hold two
+        # more copies of both at once
         dout_h = to_heads(dout.contiguous(), q_parts, plan.counts, me, group).index_select(0, perm)
+        out_h = to_heads(y, q_parts, plan.counts, me, group).index_select(0, perm)
         h0, h1 = q_parts[me]
         d_off = None
         if h1 > h0:
-            k_h, v_h = kv_h[..., :dk], kv_h[..., dk:]
-            dq_h, dk_h, dv_h = p2p.backward(ctx.run.ring, dout_h, q_h, k_h, v_h, out_h, lse)  # fp32 / fp64
+            dq_h, dkv_h = p2p.backward_packed(ctx.run.ring, dout_h, q_h, kv_h, out_h, lse)  # fp32 / fp64
             if offset is not None and ctx.needs_input_grad[3]:
                 d_off = torch.zeros_like(offset)
                 d_off[h0:h1] = sink_grad(dout_h, out_h, lse, offset[h0:h1]).to(offset.dtype)
         else:
-            acc = acc_dtype(q_h)
-            dq_h = q_h.new_zeros(q_h.shape, dtype=acc)
-            dk_h, dv_h = torch.zeros_like(kv_h[..., :dk], dtype=acc), torch.zeros_like(kv_h[..., dk:], dtype=acc)
+            dq_h, dkv_h = torch.zeros_like(q_h, dtype=acc_dtype(q_h)), torch.zeros_like(kv_h, dtype=acc_dtype(q_h))
         if offset is not None and ctx.needs_input_grad[3] and d_off is None:
             d_off = torch.zeros_like(offset)
-        dq = from_heads(dq_h.to(dtype).index_select(0, inv), q_parts, plan.counts, me, group, ctx.t, ctx.hq)
+        send = [dq_h.to(dtype).index_select(0, inv)]
+        del dq_h
+        dq = from_heads(send, q_parts, plan.counts, me, group, ctx.t, ctx.hq)
         # replicated KV heads travel home in fp32 and are summed there, then rounded once
-        dkv_h = torch.cat([dk_h, dv_h], dim=-1).index_select(0, inv)
-        dkv = from_heads(dkv_h, kv_parts, plan.counts, me, group, ctx.t, ctx.hkv).to(dtype)
+        send = [dkv_h.index_select(0, inv)]
+        del dkv_h
+        dkv = from_heads(send, kv_parts, plan.counts, me, group, ctx.t, ctx.hkv).to(dtype)
         return dq, dkv[..., :dk], dkv[..., dk:], d_off, None, None, None
 
 

@@ -16,7 +16,7 @@ import torch
 from ..comm import all_gather_padded, reduce_scatter_padded
 from ..masks import MaskSpec
 from ..plan import Layout, StepPlan, plan_steps
-from .common import Run, acc_dtype, new_accumulators, pack_kv, step_backward, step_forward
+from .common import GradAcc, Run, acc_dtype, new_accumulators, pack_kv, step_backward, step_forward
 
 __all__ = ["GatherPlan", "build_plan", "forward", "backward"]
 
@@ -57,9 +57,9 @@ def forward(run: Run, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tupl
 
 def backward(run: Run, dout, q, k, v, out, lse) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     kv_all = _gather(run, k, v)
-    dq = torch.zeros(q.shape, dtype=acc_dtype(q), device=q.device)
+    dq = GradAcc(q)
     dkv_all = torch.zeros(kv_all.shape, dtype=acc_dtype(q), device=q.device)
     step_backward(run.plan.step.on(q.device), run, (dout, q, out, lse), kv_all, dq, dkv_all)
     dkv = dkv_all if run.group is None else reduce_scatter_padded(dkv_all, run.group)
     dkv = dkv[: k.shape[0]]
-    return dq, dkv[..., : run.dk], dkv[..., run.dk :]  # accumulator dtype: the caller rounds once
+    return dq.result(), dkv[..., : run.dk], dkv[..., run.dk :]  # accumulator dtype: the caller rounds once

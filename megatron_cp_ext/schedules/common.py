@@ -15,11 +15,11 @@ from types import ModuleType
 
 import torch
 
-from ..ops import gather_rows, index_add_rows, merge_partial
+from ..ops import LSE_FLOOR, gather_rows, index_add_rows, merge_partial
 from ..plan import VarlenCall
 
 __all__ = ["Run", "take", "accumulate", "step_forward", "step_backward", "pack_kv", "new_accumulators", "acc_dtype"]
-__all__ += ["apply_sink", "sink_grad"]
+__all__ += ["apply_sink", "sink_grad", "GradAcc"]
 
 
 @dataclass(frozen=True)
@@ -47,11 +47,36 @@ def take(x: torch.Tensor, sl: tuple[int, int] | None, idx: torch.Tensor | None) 
 
 
 def accumulate(acc: torch.Tensor, sl: tuple[int, int] | None, idx: torch.Tensor | None, src: torch.Tensor) -> None:
-    """``acc[rows] += src`` for a call's rows (rows may repeat across entries of one call)."""
+    """``acc[rows] += src`` for a call's rows (rows may repeat across entries of one call): one
+    in-place op (``acc[a:b] += src`` would add a ``copy_`` back through ``__setitem__``)."""
     if sl is not None:
-        acc[sl[0] : sl[1]] += src
+        acc[sl[0] : sl[1]].add_(src)
     else:
         index_add_rows(acc, idx, src)
+
+
+class GradAcc:
+    """A gradient accumulator made on first use: the first partial that covers every row in
+    the accumulator's dtype (the own block's call over all local queries, typically) becomes
+    the accumulator instead of being added to zeros — one ``[t, H, D]`` buffer fewer alive."""
+
+    def __init__(self, like: torch.Tensor) -> None:
+        self.shape, self.dtype, self.device = like.shape, acc_dtype(like), like.device
+        self.t: torch.Tensor | None = None
+
+    def add(self, sl: tuple[int, int] | None, idx: torch.Tensor | None, src: torch.Tensor) -> None:
+        if self.t is None:
+            whole = sl == (0, self.shape[0]) and src.shape == self.shape
+            if whole and src.dtype == self.dtype and src.is_contiguous():
+                self.t = src
+                return
+            self.t = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+        accumulate(self.t, sl, idx, src)
+
+    def result(self) -> torch.Tensor:
+        if self.t is None:
+            self.t = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+        return self.t
 
 
 def pack_kv(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -65,9 +90,11 @@ def acc_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 def new_accumulators(q: torch.Tensor, dv: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Output (zeros) and lse (-inf) accumulators for the online-softmax merge (:func:`acc_dtype`)."""
+    """Output (zeros) and lse (:data:`~..ops.LSE_FLOOR`, standing for -inf) accumulators for the
+    online-softmax merge (:func:`acc_dtype`). A query that sees no key keeps output 0 and lse
+    ``LSE_FLOOR``, which every backward treats like -inf (all its probabilities are 0)."""
     out = q.new_zeros((q.shape[0], q.shape[1], dv), dtype=acc_dtype(q))
-    lse = q.new_full((q.shape[0], q.shape[1]), float("-inf"), dtype=acc_dtype(q))
+    lse = q.new_full((q.shape[0], q.shape[1]), LSE_FLOOR, dtype=acc_dtype(q))
     return out, lse
 
 
@@ -90,9 +117,10 @@ def step_forward(
             torch.maximum(run.max_logit, m, out=run.max_logit)
         if c.q_slice is not None:
             a, b = c.q_slice
-            merge_partial(out[a:b], lse[a:b], o, lse_c, None)
+            merge_partial(out[a:b], lse[a:b], o, lse_c, None, acc_finite=True)
         else:
-            merge_partial(out, lse, o, lse_c, c.q_index)
+            merge_partial(out, lse, o, lse_c, c.q_index, acc_finite=True)
+        del o, lse_c  # free the partial before the next call allocates its own
 
 
 def step_backward(
@@ -100,7 +128,7 @@ def step_backward(
     run: Run,
     saved: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
     kv: torch.Tensor,
-    dq: torch.Tensor,
+    dq: GradAcc,
     dkv: torch.Tensor,
 ) -> None:
     """Accumulate this step's gradients: ``dq`` for local queries, ``dkv`` for the KV buffer.
@@ -115,8 +143,12 @@ def step_backward(
             take(dout, *qs), take(q, *qs), kv_c[..., : run.dk], kv_c[..., run.dk :], take(out, *qs), take(lse, *qs),
             c.cu_seqlens_q, c.cu_seqlens_k, c.max_seqlen_q, c.max_seqlen_k, c.causal, c.window, run.scale,
         )  # fmt: skip
-        accumulate(dq, *qs, g_q)
-        accumulate(dkv, *ks, torch.cat([g_k.to(dkv.dtype), g_v.to(dkv.dtype)], dim=-1))
+        dq.add(*qs, g_q)
+        del g_q
+        # K and V halves of the packed buffer separately: no per-call cat
+        accumulate(dkv[..., : run.dk], *ks, g_k)
+        accumulate(dkv[..., run.dk :], *ks, g_v)
+        del g_k, g_v
 
 
 def apply_sink(out: torch.Tensor, lse: torch.Tensor, offset: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

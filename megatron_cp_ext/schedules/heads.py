@@ -43,42 +43,75 @@ def split_heads(hq: int, hkv: int, a: int) -> tuple[tuple[Range, ...], tuple[Ran
     return tuple(q), tuple(kv)
 
 
-def _a2a_flat(send: list[torch.Tensor], recv_sizes: list[int], group, like: torch.Tensor) -> list[torch.Tensor]:
-    """All-to-all of per-member flat buffers of any sizes; returns the received buffers."""
-    flat = torch.cat([x.reshape(-1) for x in send]) if send else like.new_empty(0)
-    out = like.new_empty(sum(recv_sizes))
-    dist.all_to_all_single(out, flat, recv_sizes, [x.numel() for x in send], group=group)
-    return list(out.split(recv_sizes))
+def _a2a_flat(flat: torch.Tensor, send_sizes: list[int], recv_sizes: list[int], group) -> torch.Tensor:
+    """All-to-all of a flat buffer holding per-member pieces of any sizes, back to back;
+    returns the flat receive buffer (member after member)."""
+    out = flat.new_empty(sum(recv_sizes))
+    dist.all_to_all_single(out, flat, recv_sizes, send_sizes, group=group)
+    return out
+
+
+def _pack_heads(x: torch.Tensor, parts: tuple[Range, ...]) -> tuple[torch.Tensor, list[int]]:
+    """``x[:, a:b]`` of every member's range, back to back in one flat buffer: one copy (a
+    ``cat`` of reshaped strided slices would copy twice)."""
+    t, width = x.shape[0], int(torch.Size(x.shape[2:]).numel())
+    sizes = [t * (b - a) * width for a, b in parts]
+    flat = x.new_empty(sum(sizes))
+    off = 0
+    for (a, b), n in zip(parts, sizes):
+        flat[off : off + n].view(t, b - a, *x.shape[2:]).copy_(x[:, a:b])
+        off += n
+    return flat, sizes
 
 
 def to_heads(x: torch.Tensor, parts: tuple[Range, ...], counts: list[int], me: int, group) -> torch.Tensor:
     """``[t, H, D]`` (own tokens, all heads) -> ``[T_group, h_me, D]`` (every member's tokens of
-    this member's heads ``parts[me]``, member after member)."""
+    this member's heads ``parts[me]``, member after member: a view of the receive buffer)."""
     a0, a1 = parts[me]
     if group is None:
         return x[:, a0:a1]
     d = x.shape[2:]
     h_me = a1 - a0
     width = h_me * int(torch.Size(d).numel())
-    got = _a2a_flat([x[:, a:b] for a, b in parts], [n * width for n in counts], group, x)
-    return torch.cat([g.view(n, h_me, *d) for g, n in zip(got, counts)])
+    flat, sizes = _pack_heads(x, parts)
+    got = _a2a_flat(flat, sizes, [n * width for n in counts], group)
+    return got.view(sum(counts), h_me, *d)
 
 
 def from_heads(
-    y: torch.Tensor, parts: tuple[Range, ...], counts: list[int], me: int, group, t: int, heads: int
+    y: torch.Tensor | list[torch.Tensor],
+    parts: tuple[Range, ...],
+    counts: list[int],
+    me: int,
+    group,
+    t: int,
+    heads: int,
 ) -> torch.Tensor:
     """Inverse of :func:`to_heads`: ``[T_group, h_me, D]`` -> ``[t, heads, D]``. Where members'
-    ranges overlap (replicated KV heads), their contributions are summed in ``y``'s dtype."""
+    ranges overlap (replicated KV heads), their contributions are summed in ``y``'s dtype.
+
+    ``y`` may be handed over in a one-element list: it is then taken out and freed as soon as
+    it is sent, before the result is assembled (an argument stays alive until the call returns).
+    """
+    if isinstance(y, list):
+        y = y.pop()
     d = y.shape[2:]
     if group is None:
         out = y.new_zeros((t, heads, *d))
         out[:, parts[me][0] : parts[me][1]] = y
         return out
-    got = _a2a_flat(list(y.split(counts)), [t * (b - a) * int(torch.Size(d).numel()) for a, b in parts], group, y)
+    # y's member blocks are consecutive rows of one contiguous buffer: sent as is, no copy
+    sizes = [t * (b - a) * int(torch.Size(d).numel()) for a, b in parts]
+    width = int(torch.Size(y.shape[1:]).numel())
+    send = [n * width for n in counts]
+    dtype, y = y.dtype, y.contiguous().view(-1)
+    flat = _a2a_flat(y, send, sizes, group)
+    del y  # the send buffer: freed before the result is allocated
+    got = flat.split(sizes)
     overlap = len({r for a, b in parts for r in range(a, b)}) < sum(b - a for a, b in parts)
     if not overlap:
         return torch.cat([g.view(t, b - a, *d) for g, (a, b) in zip(got, parts)], dim=1)
-    out = y.new_zeros((t, heads, *d))
+    out = flat.new_zeros((t, heads, *d), dtype=dtype)
     for g, (a, b) in zip(got, parts):
-        out[:, a:b] += g.view(t, b - a, *d)
+        out[:, a:b].add_(g.view(t, b - a, *d))
     return out

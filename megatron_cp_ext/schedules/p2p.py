@@ -19,10 +19,10 @@ import torch
 
 from ..comm import Peers
 from ..ops import gather_rows
-from .common import Run, acc_dtype, accumulate, new_accumulators, pack_kv, step_backward, step_forward
+from .common import GradAcc, Run, acc_dtype, accumulate, new_accumulators, pack_kv, step_backward, step_forward
 from .p2p_plan import P2PPlan, Rows, Step, build_plan
 
-__all__ = ["P2PPlan", "build_plan", "forward", "backward"]
+__all__ = ["P2PPlan", "build_plan", "forward", "backward", "backward_packed"]
 
 # One tag per stream, so no stream ever matches another's message on backends with tags.
 _KV_TAG, _HOME_TAG = 0, 2
@@ -70,9 +70,12 @@ class _Steps:
         return st, buf, [batch, sends]  # the sends stay referenced until the batch is done
 
 
-def forward(run: Run, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def forward(
+    run: Run, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``kv``: k and v already packed (``k``/``v`` are then its views), so nothing is copied."""
     out, lse = new_accumulators(q, v.shape[-1])
-    walk = _Steps(run, pack_kv(k, v))
+    walk = _Steps(run, pack_kv(k, v) if kv is None else kv)
     pending = walk.post_kv(1)
     step_forward(walk.plan.own.on(q.device), run, q, walk.own, out, lse)
     for s in range(1, walk.n):
@@ -104,9 +107,15 @@ def _land(home: tuple | None, dkv: torch.Tensor) -> None:
 
 
 def backward(run: Run, dout, q, k, v, out, lse) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dq, dkv = backward_packed(run, dout, q, pack_kv(k, v), out, lse)
+    return dq, dkv[..., : run.dk], dkv[..., run.dk :]  # accumulator dtype: the caller rounds once
+
+
+def backward_packed(run: Run, dout, q, kv, out, lse) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`backward` on packed ``kv``; returns ``dq`` and the packed ``dkv`` (accumulator dtype)."""
     saved = (dout, q, out, lse)
-    walk = _Steps(run, pack_kv(k, v))
-    dq = torch.zeros(q.shape, dtype=acc_dtype(q), device=q.device)
+    walk = _Steps(run, kv)
+    dq = GradAcc(q)
     dkv = torch.zeros(walk.own.shape, dtype=acc_dtype(q), device=q.device)
     pending = walk.post_kv(1)
     step_backward(walk.plan.own.on(q.device), run, saved, walk.own, dq, dkv)
@@ -128,4 +137,4 @@ def backward(run: Run, dout, q, k, v, out, lse) -> tuple[torch.Tensor, torch.Ten
             home = (batch, back, st.send, part)
         pending = nxt
     _land(home, dkv)
-    return dq, dkv[..., : run.dk], dkv[..., run.dk :]  # accumulator dtype: the caller rounds once
+    return dq.result(), dkv

@@ -58,8 +58,9 @@ def _comm(rng: random.Random, world: int, hq: int, hkv: int) -> tuple[str, int]:
     return rng.choice(options)
 
 
-def random_case(seed: int) -> tuple[int, AttnCase]:
-    """``(world, case)`` for ``seed`` (deterministic)."""
+def random_case(seed: int, dtype: str | None = None) -> tuple[int, AttnCase]:
+    """``(world, case)`` for ``seed`` (deterministic); ``dtype`` pins the dtype (the fp64 run:
+    every path computes and merges in fp64 and must match the reference to 1e-10)."""
     rng = random.Random(seed)
     world = rng.choice([2, 3, 4])
     hq, hkv = rng.choice(_HEADS)
@@ -74,7 +75,8 @@ def random_case(seed: int) -> tuple[int, AttnCase]:
     balance, segments = rng.choice(["workload", "dualchunk", "contiguous"]), None
     if fmt == "thd" and rng.random() < 0.3:
         segments = _random_segments(rng, seqlens, world)
-    dtype = rng.choices(["float32", "bfloat16", "float64"], weights=[7, 2, 1])[0]
+    drawn = rng.choices(["float32", "bfloat16", "float64"], weights=[7, 2, 1])[0]
+    dtype = dtype or drawn
     extra: dict = {}
     if rng.random() < 0.3 and dtype != "bfloat16":  # bf16's absolute tolerance assumes the default scale
         extra["softmax_scale"] = rng.choice([0.05, 0.3, 1.0, 2.5])

@@ -1,0 +1,155 @@
+"""Count what a GPU run of ``cp_attention`` would allocate and launch, on the CPU.
+
+Two pieces, used together by ``benchmarks/memory_launches.py`` and the tests that pin exact
+counts:
+
+* :func:`flash_stub` — swaps the CPU ``reference`` kernels for flash-shaped stubs: each call
+  allocates exactly the outputs a flash varlen kernel returns (``out`` in the input dtype and
+  an fp32 ``lse`` forward; ``dq, dk, dv`` in the input dtype backward) and is one op, so the
+  reference kernel's padded batches and dense probabilities (a CPU artefact) do not count.
+  The values are zeros: use it to count, never to check results.
+* :class:`Tracker` — a dispatch mode that counts the aten ops that launch work (views and
+  metadata ops excluded; the stub's kernels and collectives counted apart) and follows every
+  storage the ops allocate, so ``peak`` is the most bytes alive at once, including tracked
+  inputs and what autograd keeps.
+
+Both run under ``torch.compiler.disable``-free eager code only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from collections.abc import Iterator
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from ..backends import reference
+
+__all__ = ["flash_stub", "Tracker", "saved_bytes", "add_storage"]
+
+_LIB = torch.library.Library("mcx_testing", "DEF")  # noqa: TOR901 - test-only ops
+_LIB.define("stub_fwd(Tensor q, Tensor k, Tensor v) -> (Tensor, Tensor)")
+_LIB.define("stub_bwd(Tensor dout, Tensor q, Tensor k, Tensor v) -> (Tensor, Tensor, Tensor)")
+
+
+@torch.library.impl(_LIB, "stub_fwd", "CompositeExplicitAutograd")
+def _stub_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    out = q.new_zeros((q.shape[0], q.shape[1], v.shape[2]))
+    return out, q.new_zeros((q.shape[0], q.shape[1]), dtype=torch.float32)
+
+
+@torch.library.impl(_LIB, "stub_bwd", "CompositeExplicitAutograd")
+def _stub_bwd(dout, q, k, v) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+
+
+def _fwd(q, k, v, *_args) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.ops.mcx_testing.stub_fwd(q, k, v)
+
+
+def _bwd(dout, q, k, v, *_args) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return torch.ops.mcx_testing.stub_bwd(dout, q, k, v)
+
+
+@contextlib.contextmanager
+def flash_stub() -> Iterator[None]:
+    """Within the block, the ``reference`` backend's kernels are flash-shaped stubs."""
+    saved = reference.attn_fwd, reference.attn_bwd
+    reference.attn_fwd, reference.attn_bwd = _fwd, _bwd
+    try:
+        yield
+    finally:
+        reference.attn_fwd, reference.attn_bwd = saved
+
+
+class Tracker(TorchDispatchMode):
+    """Aten ops and live bytes of everything dispatched inside the mode.
+
+    ``ops``: launching aten ops by name (views excluded); ``kernels``: stub kernel calls;
+    ``comms``: collectives and peer ops. ``live``/``peak``: bytes of the storages alive now
+    and at most, over tracked inputs (:meth:`track`) and every op's outputs.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+        self.kernels = 0
+        self.comms = 0
+        self._live: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.live = 0
+        self.peak = 0
+        self.at_peak: tuple[str, list[int]] = ("", [])
+        """The op after which the peak was reached and the sizes alive then (largest first)."""
+
+    def track(self, *tensors: torch.Tensor) -> None:
+        """Count these (already allocated) tensors as live."""
+        for t in tensors:
+            self._add(t)
+        self.peak = max(self.peak, self.live)
+
+    def reset_peak(self) -> None:
+        self._sweep()
+        self.peak = self.live
+
+    def _add(self, t: torch.Tensor) -> None:
+        st = t.untyped_storage()
+        ref = StorageWeakRef(st)
+        if ref.cdata not in self._live:
+            self._live[ref.cdata] = (ref, st.nbytes())
+            self.live += st.nbytes()
+
+    def _sweep(self) -> None:
+        for key, (ref, n) in list(self._live.items()):
+            if ref.expired():
+                del self._live[key]
+                self.live -= n
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        ns = func.namespace
+        if ns == "mcx_testing":
+            self.kernels += 1
+        elif ns == "c10d":
+            self.comms += 1
+        elif not func.is_view and func not in _METADATA:
+            self.ops[func.name()] += 1
+        self._sweep()
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self._add(t)
+        if self.live > self.peak:
+            self.peak = self.live
+            self.at_peak = (func.name(), sorted((n for _, n in self._live.values()), reverse=True))
+        return out
+
+    @property
+    def num_ops(self) -> int:
+        return sum(self.ops.values())
+
+
+_METADATA = {torch.ops.aten.detach.default, torch.ops.aten.lift_fresh.default}
+
+
+@contextlib.contextmanager
+def saved_bytes(seen: dict[int, int] | None = None) -> Iterator[dict[int, int]]:
+    """The distinct storages autograd saves for backward inside the block, as
+    ``{storage id: bytes}`` (filled while the block runs). Add the block's outputs with
+    :func:`add_storage` to count what the next layer keeps too."""
+    seen = {} if seen is None else seen
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        ref = StorageWeakRef(t.untyped_storage())
+        seen.setdefault(ref.cdata, t.untyped_storage().nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield seen
+
+
+def add_storage(seen: dict[int, int], t: torch.Tensor) -> None:
+    """Count ``t``'s storage in ``seen`` (once, however many tensors view it)."""
+    seen.setdefault(StorageWeakRef(t.untyped_storage()).cdata, t.untyped_storage().nbytes())

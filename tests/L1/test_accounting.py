@@ -1,0 +1,57 @@
+"""Exact counts of what a layer allocates, saves and launches (flash-shaped stub kernels).
+
+Speed is a benchmark's business (``benchmarks/memory_launches.py``); these counts are exact,
+so they are asserted: the torch merge's aten ops per call, one op per accumulate, and bytes
+saved for backward equal to the ideal (q, k, v, output, fp32 lse) for every comm type.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import megatron_cp_ext as mcx
+from megatron_cp_ext import ops
+from megatron_cp_ext.schedules.common import accumulate
+from megatron_cp_ext.testing.accounting import Tracker, add_storage, flash_stub, saved_bytes
+from megatron_cp_ext.testing.pool import run_on_ranks
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_merge_is_four_ops_per_sliced_call(dtype):
+    out, lse = torch.zeros(10, 2, 3, dtype=dtype), torch.full((10, 2), ops.LSE_FLOOR, dtype=dtype)
+    part, part_lse = torch.randn(6, 2, 3, dtype=dtype), torch.randn(6, 2, dtype=dtype)
+    with Tracker() as tr:
+        ops.merge_partial(out[2:8], lse[2:8], part, part_lse, None, acc_finite=True)
+    assert tr.num_ops == 4, tr.ops
+    torch.testing.assert_close(out[2:8], part)  # first merge into an empty accumulator
+    torch.testing.assert_close(lse[2:8], part_lse)
+
+
+def test_accumulate_is_one_op():
+    acc, src = torch.zeros(10, 2, 3), torch.ones(4, 2, 3)
+    with Tracker() as tr:
+        accumulate(acc, (3, 7), None, src)
+        accumulate(acc, None, torch.tensor([0, 0, 9, 1]), src)
+    assert tr.num_ops == 2, tr.ops
+    assert acc.sum() == 2 * src.sum() and acc[0].sum() == 12
+
+
+def _saved_worker(rank, world, comm):
+    group = mcx.hierarchical_cp_groups(2) if comm == "a2a+p2p" else dist.group.WORLD
+    sharding = mcx.shard_sequences([0, 64, 96, 160], world, balance="dualchunk")
+    t, hq, hkv, d = sharding.num_tokens(rank), 4, 2, 8
+    q, k, v = (torch.randn(t, h, d, requires_grad=True) for h in (hq, hkv, hkv))
+    with flash_stub(), saved_bytes() as saved:
+        out = mcx.cp_attention(q, k, v, cp_group=group, comm_type=comm, sharding=sharding)
+    add_storage(saved, out)  # the next layer saves the output: it must be the same storage
+    ideal = sum(x.numel() * x.element_size() for x in (q, k, v, out)) + t * hq * 4
+    with flash_stub(), Tracker() as tr:
+        out.backward(torch.ones_like(out))
+    return sum(saved.values()), ideal, tr.ops.get("aten::cat", 0)
+
+
+@pytest.mark.parametrize("world,comm", [(2, "p2p"), (2, "all_gather"), (2, "a2a"), (4, "a2a+p2p")])
+def test_saved_for_backward_is_the_ideal(world, comm):
+    for saved, ideal, cats in run_on_ranks(world, _saved_worker, comm, timeout=120):
+        assert saved == ideal
+        assert cats <= 2  # per layer (K|V packed; a2a assembles dq and dK|dV), none per varlen call
