@@ -21,7 +21,7 @@ setup(
     version="0.1.0",
     description="Context parallelism for attention on packed variable-length sequences (Megatron-core, NeMo)",
     packages=find_packages(include=["megatron_cp_ext", "megatron_cp_ext.*"]),
-    package_data={"megatron_cp_ext.plan": ["calibration.json"]},  # measured kernel constants, when present
+    package_data={"megatron_cp_ext.planner": ["calibration.json"]},  # measured kernel constants, when present
     python_requires=">=3.10",
     install_requires=["torch>=2.6", "einops", "numpy"],
     extras_require={
@@ -33,7 +33,7 @@ setup(
         "gpu": ["flash-attn"],
         "plot": ["matplotlib"],
     },
-    entry_points={"console_scripts": ["mcx-plan=megatron_cp_ext.plan.cli:main"]},
+    entry_points={"console_scripts": ["mcx-plan=megatron_cp_ext.planner.cli:main"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
 )

@@ -24,8 +24,8 @@ import torch.distributed as dist
 
 import megatron_cp_ext as mcx
 from megatron_cp_ext.inspect import inspect_plan
-from megatron_cp_ext.plan.cost import call_area, call_flops, predict
-from megatron_cp_ext.plan.profiles import load_profile
+from megatron_cp_ext.planner.cost import call_area, call_flops, predict
+from megatron_cp_ext.planner.profiles import load_profile
 from megatron_cp_ext.testing.spawn import bench_main
 
 COMMS = [("p2p", None), ("all_gather", None), ("a2a", None), ("a2a+p2p", 2)]

@@ -295,7 +295,7 @@ def bench_calibration(s: Sizes, write: bool) -> None:
     """Kernel constants for the cost model (``benchmarks/kernel_throughput.py``'s measure)."""
     import kernel_throughput as kt
 
-    from megatron_cp_ext.plan.profiles import CALIBRATION
+    from megatron_cp_ext.planner.profiles import CALIBRATION
 
     shapes = kt.SHAPES if s.device == "cuda" else [([32] * 4, 4, 2, 16)]
     backend = "flash" if s.device == "cuda" else "reference"

@@ -4,10 +4,10 @@
 
 Times the local varlen kernels at CP 1 (``cp_attention`` with the flash backend, bf16) on
 packed causal batches, forward and forward + backward, and divides the FLOPs the cost model
-counts for the same calls (``plan.cost.call_flops`` over the visited tile area) by the time:
+counts for the same calls (``planner.cost.call_flops`` over the visited tile area) by the time:
 the throughputs ``predict`` then uses are what this machine sustains on exactly that measure.
 A batch of one-token documents gives the fixed cost per call. ``--write`` records the result in
-``megatron_cp_ext/plan/calibration.json`` under ``--profile`` (commit it); links are not
+``megatron_cp_ext/planner/calibration.json`` under ``--profile`` (commit it); links are not
 measured here (one GPU), they stay datasheet values. Needs CUDA.
 """
 
@@ -22,8 +22,8 @@ import torch
 
 import megatron_cp_ext as mcx
 from megatron_cp_ext.inspect import inspect_plan
-from megatron_cp_ext.plan.cost import call_flops
-from megatron_cp_ext.plan.profiles import CALIBRATION, PROFILES
+from megatron_cp_ext.planner.cost import call_flops
+from megatron_cp_ext.planner.profiles import CALIBRATION, PROFILES
 
 SHAPES = [  # (document lengths, query heads, KV heads, head dim)
     ([8192] * 4, 32, 8, 128),
@@ -108,7 +108,7 @@ def measure(shapes, iters: int, device: str = "cuda", dtype=torch.bfloat16, back
 
 
 def write_entry(name: str, entry: dict) -> None:
-    """Record ``entry`` under profile ``name`` in ``plan/calibration.json``."""
+    """Record ``entry`` under profile ``name`` in ``planner/calibration.json``."""
     data = {}
     if os.path.isfile(CALIBRATION):
         with open(CALIBRATION) as f:

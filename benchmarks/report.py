@@ -58,7 +58,7 @@ def render(statuses: list[dict], rows: list[dict], dry: bool, total_s: float) ->
         cp_rows.append([r["comm"], r["mask"], r["cp"], f"{r['ms']:.2f}", f"{r['ratio']:.3f}",
                         "-" if goal is None else _mark(r["ratio"] <= goal), peak])  # fmt: skip
     lines += _table(["comm", "mask", "CP", "ms", "÷ one call", "goal met", "peak MiB per rank"], cp_rows)
-    lines += ["", "## Cost-model calibration (`megatron_cp_ext/plan/calibration.json`)", ""]
+    lines += ["", "## Cost-model calibration (`megatron_cp_ext/planner/calibration.json`)", ""]
     lines += _table(["profile", "fwd TFLOP/s", "bwd TFLOP/s", "launch µs", "source"], [
         [r["profile"], r["fwd_tflops"], r["bwd_tflops"], r["launch_us"], r["source"]] for r in by["calibration"]
     ])  # fmt: skip

@@ -7,7 +7,7 @@ Bad input raises :class:`CPArgumentError` (a ``ValueError``), the same on every 
 (``docs/reliability.md``).
 """
 
-from . import batches
+from . import batches, planner  # planner: installs comm_type="auto"'s chooser
 from .attention import COMM_TYPES, QKV_FORMATS, cp_attention
 from .groups import HierarchicalCPGroups, hierarchical_cp_groups
 from .inspect import CallReport, PlanReport, RankReport, inspect_plan
@@ -38,5 +38,6 @@ __all__ = [
     "QKV_FORMATS",
     "BALANCES",
     "batches",
+    "planner",
 ]
 __version__ = "0.1.0"

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import weakref
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -169,20 +169,19 @@ def _prepare(q, k, v, a: dict, known: _Known) -> _Call:
     )
 
 
+AUTO_CHOOSER: list[Callable[..., tuple[str, CPGroups]] | None] = [None]
+"""``comm_type="auto"``'s chooser, ``fn(cp_group, groups, sharding, mask, shapes) -> (comm type,
+groups)``. The chooser prices plans through :func:`~megatron_cp_ext.inspect_plan` and the cost
+model, which sit above this module; so the runtime does not import them: importing the package
+installs :func:`megatron_cp_ext.planner.auto.resolve` here (imports run one way, design §2)."""
+
+
 def _auto(cp_group, groups: CPGroups, sharding: CPSharding, mask: MaskSpec, shapes) -> tuple[str, CPGroups]:
     """``comm_type="auto"``: the predicted fastest comm type (same on every rank, no comm)."""
-    from .plan.auto import auto_profile, choose_comm_type
-
-    pair = isinstance(cp_group, (list, tuple))
-    whole = getattr(cp_group, "cp_group", None) if pair else cp_group
-    flat = ("p2p", "all_gather", "a2a") if whole is not None else ()
-    candidates = (("a2a+p2p",) if pair else ()) + flat
-    best, _ = choose_comm_type(
-        sharding, mask, candidates=candidates, a2a_size=groups.a2a_size, num_heads=shapes.hq,
-        num_kv_heads=shapes.hkv, head_dim=shapes.dqk, v_head_dim=shapes.dv, dtype=shapes.dtype,
-        profile=auto_profile(shapes.device),
-    )  # fmt: skip
-    return best, cp_groups(cp_group if best == "a2a+p2p" else whole, best)
+    chooser = AUTO_CHOOSER[0]
+    if chooser is None:  # unreachable: importing any submodule first runs the package's __init__
+        raise RuntimeError("comm_type='auto' needs megatron_cp_ext.planner.auto imported")
+    return chooser(cp_group, groups, sharding, mask, shapes)
 
 
 def _fingerprint(sharding: CPSharding) -> dict:

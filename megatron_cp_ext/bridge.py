@@ -131,7 +131,7 @@ def apply_cp(
     an ``attention_backend`` that would make Bridge replace our core attention.
     """
     from .megatron.core_attention import CPAttentionOptions
-    from .nemo import check_comm_type, check_hierarchical
+    from .recipe_checks import check_comm_type, check_hierarchical
 
     if not isinstance(context_parallel_size, int) or context_parallel_size < 1:
         raise ValueError(f"context_parallel_size must be a positive int, got {context_parallel_size!r}")

@@ -23,6 +23,8 @@ import functools
 from collections.abc import Sequence
 from typing import Any
 
+from .recipe_checks import check_comm_type, check_hierarchical
+
 __all__ = ["FIELDS", "apply_cp"]
 
 FIELDS = (
@@ -32,8 +34,6 @@ FIELDS = (
     "model.config.transformer_layer_spec",
 )
 """Dotted paths of every field :func:`apply_cp` writes."""
-
-_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p", "auto")  # auto: the planner picks per micro-batch
 
 
 def _locate(recipe: Any) -> tuple[Any, Any]:
@@ -49,39 +49,6 @@ def _locate(recipe: Any) -> tuple[Any, Any]:
     if strategy is None or config is None:
         raise TypeError("apply_cp: recipe.trainer.strategy and recipe.model.config must be set")
     return strategy, config
-
-
-def check_comm_type(cp_comm_type: str | Sequence[str], num_layers: int | None) -> str | list[str]:
-    """The validated comm type: a string, or a list with one valid entry per layer."""
-    kinds = [cp_comm_type] if isinstance(cp_comm_type, str) else list(cp_comm_type)
-    bad = [k for k in kinds if k not in _COMM_TYPES]
-    if bad or not kinds:
-        raise ValueError(
-            f"cp_comm_type entries must be in {_COMM_TYPES} (a string or a per-layer list), got {bad or kinds}"
-        )
-    if isinstance(cp_comm_type, str):
-        return cp_comm_type
-    if num_layers is not None and len(kinds) != num_layers:
-        raise ValueError(f"per-layer cp_comm_type has {len(kinds)} entries; the model has {num_layers} layers")
-    return kinds
-
-
-def check_hierarchical(
-    sizes: Sequence[int] | None, context_parallel_size: int, kinds: str | list[str]
-) -> list[int] | None:
-    """The validated ``[a2a, p2p]`` sizes (None when not given and not needed)."""
-    uses_hcp = "a2a+p2p" in ([kinds] if isinstance(kinds, str) else kinds)
-    if sizes is None:
-        if uses_hcp and context_parallel_size > 1:
-            raise ValueError(
-                "cp_comm_type 'a2a+p2p' needs hierarchical_sizes=[a2a, p2p] with product "
-                f"{context_parallel_size}; refusing to run it without hierarchical groups"
-            )
-        return None
-    sizes = [int(s) for s in sizes]
-    if len(sizes) != 2 or sizes[0] * sizes[1] != context_parallel_size or min(sizes) < 1:
-        raise ValueError(f"hierarchical_sizes must be [a2a, p2p] with product {context_parallel_size}, got {sizes}")
-    return sizes
 
 
 def _layer_spec(recipe: Any, options: Any) -> Any:

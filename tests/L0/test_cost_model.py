@@ -10,8 +10,8 @@ import torch
 import megatron_cp_ext as mcx
 from megatron_cp_ext.inspect import CallReport, PlanReport, RankReport, StepReport
 from megatron_cp_ext.masks import MaskSpec
-from megatron_cp_ext.plan.cost import predict
-from megatron_cp_ext.plan.profiles import PROFILES, load_profile
+from megatron_cp_ext.planner.cost import predict
+from megatron_cp_ext.planner.profiles import PROFILES, load_profile
 
 CASES = [  # (seqlens, cp, balance, mask)
     ((300, 7, 0, 129, 1000, 64), 4, "workload", dict(causal=True)),
@@ -137,7 +137,7 @@ def test_reference_kernel_priced_by_its_padded_rectangles(monkeypatch):
     """cpu-gloo prices each call by the padded score rectangles the reference backend builds:
     count them by recording the shapes its forward actually materialises."""
     from megatron_cp_ext.backends import reference
-    from megatron_cp_ext.plan.cost import call_area
+    from megatron_cp_ext.planner.cost import call_area
 
     seen = []
     real = reference._probs
@@ -165,7 +165,7 @@ def test_reference_kernel_priced_by_its_padded_rectangles(monkeypatch):
 def test_calibration_file_replaces_kernel_constants(tmp_path):
     """Measured kernel constants (benchmarks/kernel_throughput.py) replace a named profile's
     datasheet ones; links stay; unknown profile names are refused."""
-    from megatron_cp_ext.plan.profiles import _calibrated
+    from megatron_cp_ext.planner.profiles import _calibrated
 
     path = tmp_path / "calibration.json"
     path.write_text(json.dumps({"h100-nvlink-ib400": {"fwd_tflops": 321.5, "bwd_tflops": 210.0, "launch_us": 12.0,
@@ -183,7 +183,7 @@ def test_calibration_file_replaces_kernel_constants(tmp_path):
 
 # ---- whole layer: linear work on the rank's tokens plus attention ----------------------------
 def test_whole_layer_time_is_linear_work_on_tokens_plus_attention():
-    from megatron_cp_ext.plan.cost import LinearShape
+    from megatron_cp_ext.planner.cost import LinearShape
 
     # one rank holds 3x the tokens of the others (a custom layout), the same attention pairs
     # nowhere: only linear work differs, and the layer waits for that rank
@@ -216,7 +216,7 @@ def test_whole_layer_time_is_linear_work_on_tokens_plus_attention():
 def test_equal_tokens_beat_drifting_tokens_on_the_whole_layer():
     """Same attention pairs, tokens moved between ranks: the whole-layer prediction follows
     the largest rank's tokens (what a balance that lets tokens drift would cost)."""
-    from megatron_cp_ext.plan.cost import LinearShape
+    from megatron_cp_ext.planner.cost import LinearShape
 
     cu = [0, 256, 512]
     even = mcx.CPSharding.from_segments(cu, [[(0, 0, 256)], [(1, 0, 256)]])

@@ -9,9 +9,9 @@ import sys
 import pytest
 
 import megatron_cp_ext as mcx
-from megatron_cp_ext.plan import cli
-from megatron_cp_ext.plan.cost import predict
-from megatron_cp_ext.plan.profiles import PROFILES
+from megatron_cp_ext.planner import cli
+from megatron_cp_ext.planner.cost import predict
+from megatron_cp_ext.planner.profiles import PROFILES
 
 LENGTHS = [700, 3, 0, 250, 1300, 64]
 BASE = ["--heads", "8", "--kv-heads", "2", "--head-dim", "16", "--no-progress"]
@@ -51,7 +51,7 @@ def test_rows_match_inspect_and_model(capsys):
 def test_whole_layer_rows(capsys):
     """--hidden/--ffn add the whole layer's time (the cost model's, slowest rank); tokens per
     rank and their imbalance are in every row; the winner is the fastest whole layer."""
-    from megatron_cp_ext.plan.cost import LinearShape
+    from megatron_cp_ext.planner.cost import LinearShape
 
     lengths = ",".join(map(str, LENGTHS))
     out = _json(capsys, ["--lengths", lengths, "--cp", "4", "--comm-type", "p2p,all_gather",
@@ -128,7 +128,7 @@ def test_bad_input_exits_2(argv, flag, capsys):
 
 
 def test_plot_without_matplotlib(monkeypatch, capsys):
-    from megatron_cp_ext.plan import plot
+    from megatron_cp_ext.planner import plot
 
     monkeypatch.setattr(plot.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(SystemExit) as e:
@@ -137,7 +137,7 @@ def test_plot_without_matplotlib(monkeypatch, capsys):
 
 
 def test_module_entry_point():
-    r = subprocess.run([sys.executable, "-m", "megatron_cp_ext.plan", "--lengths", "100,20", "--cp", "2", "--json"],
+    r = subprocess.run([sys.executable, "-m", "megatron_cp_ext.planner", "--lengths", "100,20", "--cp", "2", "--json"],
                        capture_output=True, text=True, timeout=120)  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["documents"] == 2

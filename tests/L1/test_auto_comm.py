@@ -8,8 +8,8 @@ import torch
 
 import megatron_cp_ext as mcx
 from megatron_cp_ext.masks import MaskSpec
-from megatron_cp_ext.plan import auto
-from megatron_cp_ext.plan.profiles import load_profile
+from megatron_cp_ext.planner import auto
+from megatron_cp_ext.planner.profiles import load_profile
 from megatron_cp_ext.testing.cases import AttnCase, check_case, local_shard
 from megatron_cp_ext.testing.pool import run_on_ranks
 

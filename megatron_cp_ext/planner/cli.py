@@ -1,4 +1,4 @@
-"""``mcx-plan`` / ``python -m megatron_cp_ext.plan``: a CP job's per-layer cost before launch.
+"""``mcx-plan`` / ``python -m megatron_cp_ext.planner``: a CP job's per-layer cost before launch.
 
 For every CP size x comm type x balance: max/mean work and tokens, tile efficiency, padding,
 bytes per layer, kernel calls, predicted forward/backward attention time on a hardware profile
@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -22,59 +21,13 @@ from ..inspect import COMM_TYPES, inspect_plan
 from ..sharding import shard_sequences
 from .cost import LinearShape, predict
 from .profiles import PROFILES, HardwareProfile, load_profile
+from .rows import Row
 
 __all__ = ["main", "build_parser", "sweep", "Row"]
 
 BALANCES = ("workload", "dualchunk", "contiguous")
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
           "fp32": torch.float32, "float32": torch.float32}  # fmt: skip
-
-
-@dataclass(frozen=True, kw_only=True)
-class Row:
-    """One planned configuration (what the table and ``--json`` show)."""
-
-    cp: int
-    """CP size."""
-    comm_type: str
-    """Comm type."""
-    balance: str
-    """Sharding balance."""
-    a2a_size: int
-    """Ranks per a2a group (a2a+p2p; cp for a2a; 1 otherwise)."""
-    max_work: int
-    """Largest per-rank work (visible pairs per head)."""
-    mean_work: float
-    """Mean per-rank work."""
-    tile_efficiency: float
-    """Useful score entries over visited 128x128 tile area."""
-    padding: int
-    """Largest per-rank pad rows."""
-    fwd_bytes: int
-    """Largest per-rank forward bytes (max of sent and received)."""
-    bwd_bytes: int
-    """Largest per-rank backward bytes (max of sent and received)."""
-    calls: int
-    """Largest per-rank varlen calls per layer (forward; backward runs as many)."""
-    fwd_ms: float
-    """Predicted forward time per layer (slowest rank)."""
-    bwd_ms: float
-    """Predicted backward time per layer (slowest rank)."""
-    fwd_hidden: bool
-    """Comm hides behind compute in forward."""
-    bwd_hidden: bool
-    """Comm hides behind compute in backward."""
-    work: list[int]
-    """Per-rank work (for plots)."""
-    sent: list[int]
-    """Per-rank forward bytes sent (for plots)."""
-    tokens: list[int]
-    """Per-rank tokens (a layer's linear work follows them)."""
-    token_imbalance: float
-    """Largest per-rank token count over the mean."""
-    layer_ms: float | None = None
-    """Predicted whole-layer forward + backward time (slowest rank: attention plus linear work
-    on its tokens); None without the model's widths."""
 
 
 def _ints(flag: str, text: str, parser: argparse.ArgumentParser, lo: int = 0) -> list[int]:

@@ -16,13 +16,15 @@ import os
 
 import torch
 
+from .. import attention
+from ..groups import CPGroups, cp_groups
 from ..inspect import inspect_plan
 from ..masks import MaskSpec
 from ..sharding import CPSharding
 from .cost import predict
 from .profiles import HardwareProfile, load_profile
 
-__all__ = ["choose_comm_type", "set_auto_profile", "auto_profile"]
+__all__ = ["choose_comm_type", "set_auto_profile", "auto_profile", "resolve"]
 
 logger = logging.getLogger("megatron_cp_ext.auto")
 _PROFILE: list[HardwareProfile | None] = [None]
@@ -88,3 +90,22 @@ def choose_comm_type(
     shown = ", ".join(f"{ct} {t * 1e3:.3f} ms" for ct, t in times.items())
     logger.log(level, "cp_attention comm_type=auto chose %s on %s (predicted per layer: %s)", best, profile.name, shown)
     return best, times
+
+
+def resolve(cp_group, groups: CPGroups, sharding: CPSharding, mask: MaskSpec, shapes) -> tuple[str, CPGroups]:
+    """``cp_attention(comm_type="auto")``: the candidates the given ``cp_group`` allows (a2a+p2p
+    for an ``(a2a, p2p)`` pair; p2p, all_gather, a2a with a whole CP group), the predicted
+    fastest of them under :func:`auto_profile`, and the groups it runs on."""
+    pair = isinstance(cp_group, (list, tuple))
+    whole = getattr(cp_group, "cp_group", None) if pair else cp_group
+    flat = ("p2p", "all_gather", "a2a") if whole is not None else ()
+    candidates = (("a2a+p2p",) if pair else ()) + flat
+    best, _ = choose_comm_type(
+        sharding, mask, candidates=candidates, a2a_size=groups.a2a_size, num_heads=shapes.hq,
+        num_kv_heads=shapes.hkv, head_dim=shapes.dqk, v_head_dim=shapes.dv, dtype=shapes.dtype,
+        profile=auto_profile(shapes.device),
+    )  # fmt: skip
+    return best, cp_groups(cp_group if best == "a2a+p2p" else whole, best)
+
+
+attention.AUTO_CHOOSER[0] = resolve

@@ -4,7 +4,7 @@ The named GPU profiles are derived from datasheets: dense bf16 tensor-core peak 
 flash-attention efficiency (about half of peak forward, less backward) and a large-GEMM
 efficiency (about two thirds of peak) for a layer's linear work, NVLink bandwidth per
 direction inside a node and one InfiniBand NIC per GPU across nodes. When
-``plan/calibration.json`` (written by ``benchmarks/kernel_throughput.py`` on a GPU) holds an
+``planner/calibration.json`` (written by ``benchmarks/kernel_throughput.py`` on a GPU) holds an
 entry for a profile, its kernel constants are the measured ones. ``cpu-gloo`` is the profile
 the gloo validation benchmark calibrates with a microbenchmark in the same run. A user file
 (JSON or TOML) with the same keys overrides a named profile (``base``) or defines one from

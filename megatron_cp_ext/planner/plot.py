@@ -10,7 +10,7 @@ import importlib.util
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .cli import Row
+    from .rows import Row
 
 __all__ = ["check_matplotlib", "plot_rows"]
 
