@@ -76,11 +76,12 @@ def megatron_thd_split(batch: dict, cp: int, rank: int, group, with_padded: bool
             max_len = (cu_pad[1:] - cu_pad[:-1]).max().view(1)
             local, psp = mcu.get_thd_batch_on_this_cp_rank(data, cu, cu_pad, max_len, cp, rank)
         else:  # 0.19: per-document split inside get_batch_on_this_cp_rank
+            max_len = int((cu_pad[1:] - cu_pad[:-1]).max())
             data.update(cu_seqlens=cu[None], cu_seqlens_padded=cu_pad[None])
             local = mcu.get_batch_on_this_cp_rank(data, is_hybrid_cp=False, cp_group=group)
             psp = PackedSeqParams(
                 qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_pad,
-                cu_seqlens_kv_padded=cu_pad, max_seqlen_q=int((cu_pad[1:] - cu_pad[:-1]).max()),
+                cu_seqlens_kv_padded=cu_pad, max_seqlen_q=max_len, max_seqlen_kv=max_len,
             )  # fmt: skip
     if not with_padded:  # Megatron >= 0.19 without padding: cu_seqlens only
         psp.cu_seqlens_q_padded = psp.cu_seqlens_kv_padded = None
