@@ -21,7 +21,10 @@ setup(
     version="0.1.0",
     description="Context parallelism for attention on packed variable-length sequences (Megatron-core, NeMo)",
     packages=find_packages(include=["megatron_cp_ext", "megatron_cp_ext.*"]),
-    package_data={"megatron_cp_ext.planner": ["calibration.json"]},  # measured kernel constants, when present
+    package_data={  # measured kernel constants (when present) and kernel picks per device class
+        "megatron_cp_ext.planner": ["calibration.json"],
+        "megatron_cp_ext.backends": ["kernel_table.json"],
+    },
     python_requires=">=3.10",
     install_requires=["torch>=2.6", "einops", "numpy"],
     extras_require={

@@ -27,7 +27,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import megatron_cp_ext as mcx  # noqa: E402
 from megatron_cp_ext import ops  # noqa: E402
-from megatron_cp_ext.backends import reference  # noqa: E402
 from megatron_cp_ext.testing.inproc import run_threads  # noqa: E402
 
 
@@ -54,12 +53,15 @@ class Sizes:
     """Timed repetitions (after one warm-up)."""
     cp_sizes: tuple[int, ...]
     """CP sizes of the one-GPU CP benchmark."""
+    pick_tokens: tuple[int, ...]
+    """Batch sizes (tokens) the local-attention step times each candidate at (the pick table's
+    size buckets)."""
 
 
 GPU = Sizes(device="cuda", dtype=torch.bfloat16, tokens=128 * 1024, median_len=2048, hq=32, hkv=8, d=128,
-            window=4096, rows=1 << 20, iters=10, cp_sizes=(2, 4, 8))  # fmt: skip
+            window=4096, rows=1 << 20, iters=10, cp_sizes=(2, 4, 8), pick_tokens=(16384, 128 * 1024))  # fmt: skip
 DRY = Sizes(device="cpu", dtype=torch.float32, tokens=384, median_len=64, hq=4, hkv=2, d=16, window=32,
-            rows=4096, iters=1, cp_sizes=(2, 4, 8))  # fmt: skip
+            rows=4096, iters=1, cp_sizes=(2, 4, 8), pick_tokens=(96, 384))  # fmt: skip
 MASKS = {"causal": dict(causal=True), "nomask": dict(causal=False), "window": None}  # window: per Sizes
 
 
@@ -157,64 +159,68 @@ def bench_kernels(s: Sizes) -> None:
 
 # ---- local attention ---------------------------------------------------------------------------
 def candidates(s: Sizes) -> dict:
-    """Local kernel modules under the backend contract that import on this machine."""
-    if s.device != "cuda":
-        return {"reference": reference}
-    from megatron_cp_ext.backends import flash
+    """Local kernel candidates (:data:`megatron_cp_ext.backends.pick.KERNELS`) that run here."""
+    from megatron_cp_ext.backends import pick
 
-    out = {"flash": flash}
-    try:
-        from megatron_cp_ext.backends import cudnn
-
-        if cudnn.available():
-            out["cudnn"] = cudnn
-    except ImportError as exc:
-        print(f"cudnn candidate unavailable: {exc}")
-    return out
+    return {n: pick.KERNELS[n] for n in sorted(pick.available_kernels(torch.device(s.device)))}
 
 
-def _batch(s: Sizes, seed: int = 0):
-    lens = lognormal_lengths(s.tokens, s.median_len, seed)
+def _batch(s: Sizes, seed: int = 0, tokens: int | None = None):
+    tokens = tokens or s.tokens
+    lens = lognormal_lengths(tokens, s.median_len, seed)
     cu = torch.tensor([0, *lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
     g = torch.Generator(device=s.device).manual_seed(seed)
     shapes = ((s.hq, s.d), (s.hkv, s.d), (s.hkv, s.d))
-    q, k, v = (torch.randn(s.tokens, h, d, device=s.device, generator=g).to(s.dtype) for h, d in shapes)
+    q, k, v = (torch.randn(tokens, h, d, device=s.device, generator=g).to(s.dtype) for h, d in shapes)
     return lens, cu, q, k, v
 
 
-def bench_attention(s: Sizes) -> None:
-    """Local varlen attention TFLOP/s per candidate kernel, forward and backward."""
-    lens, cu, q, k, v = _batch(s)
-    cu_d, mx = cu.to(s.device), max(lens)
-    print(f"{len(lens)} documents, median {int(np.median(lens))}, max {mx}, {s.tokens} tokens; "
-          f"heads {s.hq}/{s.hkv}, d {s.d}, {s.dtype}")  # fmt: skip
-    print("| kernel | mask | fwd ms | bwd ms | fwd TFLOP/s | bwd TFLOP/s |\n|---|---|---|---|---|---|")
-    best: dict[str, tuple[float, str]] = {}
-    for kname, mod in candidates(s).items():
-        for mname in MASKS:
-            kw = mask_kw(mname, s)
-            causal, win = kw["causal"], kw.get("window_size", (-1, -1))
-            args = (cu_d, cu_d, mx, mx, causal, (win[0], 0 if causal else win[1]), 1 / math.sqrt(s.d))
-            try:
-                o, lse = mod.attn_fwd(q, k, v, *args)
-                dout = torch.randn_like(o)
-                t_f = timed(lambda: mod.attn_fwd(q, k, v, *args), s)  # noqa: B023
-                t_b = timed(lambda: mod.attn_bwd(dout, q, k, v, o, lse, *args), s)  # noqa: B023
-            except Exception as exc:  # noqa: BLE001 - a candidate may not support a mask
-                print(f"| {kname} | {mname} | unsupported: {type(exc).__name__}: {str(exc)[:80]} | | | |")
-                continue
-            pairs = visible_pairs(lens, causal, win[0])
-            fl = 4.0 * pairs * s.hq * s.d
-            tf, tb = fl / t_f / 1e12, 2.5 * fl / t_b / 1e12
-            print(f"| {kname} | {mname} | {t_f * 1e3:.2f} | {t_b * 1e3:.2f} | {tf:.3g} | {tb:.3g} |")
-            result(step="attention", kernel=kname, mask=mname, fwd_ms=t_f * 1e3, bwd_ms=t_b * 1e3,
-                   fwd_tflops=tf, bwd_tflops=tb)  # fmt: skip
-            best[mname] = min(best.get(mname, (math.inf, "")), (t_f + t_b, kname))  # ties: by name
-    # the measured pick per call shape (here: per mask at this size); a file every rank reads
-    # the same would make it the plan's choice, identically everywhere
-    for mname, (_, kname) in best.items():
-        print(f"fastest for {mname}: {kname}")
-        result(step="selection", mask=mname, kernel=kname)
+def bench_attention(s: Sizes, write: bool = False) -> None:
+    """Local varlen attention TFLOP/s per candidate kernel, forward and backward, at each size of
+    ``s.pick_tokens``; the fastest per mask and size becomes this device class's entry of the
+    kernel pick table (``megatron_cp_ext/backends/kernel_table.json``)."""
+    from megatron_cp_ext.backends import pick
+
+    kernels, timings = candidates(s), []
+    print("| kernel | mask | tokens | fwd ms | bwd ms | fwd TFLOP/s | bwd TFLOP/s |\n|---|---|---|---|---|---|---|")
+    for tokens in s.pick_tokens:
+        lens, cu, q, k, v = _batch(s, tokens=tokens)
+        cu_d, mx = cu.to(s.device), max(lens)
+        print(f"{len(lens)} documents, median {int(np.median(lens))}, max {mx}, {tokens} tokens; "
+              f"heads {s.hq}/{s.hkv}, d {s.d}, {s.dtype}")  # fmt: skip
+        for kname, kern in kernels.items():
+            for mname in MASKS:
+                kw = mask_kw(mname, s)
+                causal, win = kw["causal"], kw.get("window_size", (-1, -1))
+                window = (win[0], 0 if causal else win[1])
+                args = (cu_d, cu_d, mx, mx, causal, window, 1 / math.sqrt(s.d))
+                shape = pick.call_shape(q, k, v, mx, causal, window)
+                if not kern.supports(shape):
+                    print(f"| {kname} | {mname} | {tokens} | not expressible | | | |")
+                    continue
+                try:
+                    o, lse = kern.fwd(q, k, v, *args)
+                    dout = torch.randn_like(o)
+                    t_f = timed(lambda: kern.fwd(q, k, v, *args), s)  # noqa: B023
+                    t_b = timed(lambda: kern.bwd(dout, q, k, v, o, lse, *args), s)  # noqa: B023
+                except Exception as exc:  # noqa: BLE001 - a failing candidate is reported, not picked
+                    print(f"| {kname} | {mname} | {tokens} | failed: {type(exc).__name__}: {str(exc)[:80]} | | | |")
+                    continue
+                fl = 4.0 * visible_pairs(lens, causal, win[0]) * s.hq * s.d
+                tf, tb = fl / t_f / 1e12, 2.5 * fl / t_b / 1e12
+                print(f"| {kname} | {mname} | {tokens} | {t_f * 1e3:.2f} | {t_b * 1e3:.2f} | {tf:.3g} | {tb:.3g} |")
+                result(step="attention", kernel=kname, mask=mname, tokens=tokens, fwd_ms=t_f * 1e3,
+                       bwd_ms=t_b * 1e3, fwd_tflops=tf, bwd_tflops=tb)  # fmt: skip
+                timings.append({**{f: getattr(shape, f) for f in ("dtype", "d", "dv", "gqa", "mask")},
+                                "kernel": kname, "tokens": tokens, "seconds": t_f + t_b})  # fmt: skip
+    cls = pick.device_class(torch.device(s.device))
+    where = torch.cuda.get_device_name() if s.device == "cuda" else "cpu"
+    entry = pick.entry_from_measurements(timings, f"benchmarks/gpu_suite.py on {where}, torch {torch.__version__}")
+    print(f"kernel pick table entry for device class {cls!r}:\n" + json.dumps({cls: entry}, indent=2))
+    result(step="pick", device_class=cls, entry=entry)
+    if write and s.device == "cuda":
+        pick.write_entry(cls, entry)
+        print(f"written to {pick.TABLE}: copy this entry into the repository's file")
 
 
 # ---- one-GPU CP and memory ------------------------------------------------------------------------
@@ -251,7 +257,9 @@ def bench_cp(s: Sizes) -> None:
     """One-GPU CP: all ranks' planned work through the in-process runner ÷ one call over the
     whole batch; CP 1 through ``cp_attention`` ÷ the direct call; peak memory vs ideal."""
     lens, cu, q, k, v = _batch(s)
-    mod = candidates(s)["flash" if s.device == "cuda" else "reference"]
+    from megatron_cp_ext.backends import get_backend
+
+    mod = get_backend(torch.device(s.device), "flash" if s.device == "cuda" else "reference")
     cu_d, mx = cu.to(s.device), max(lens)
     print("| comm | mask | CP | ms (fwd+bwd, all ranks) | ÷ one call | peak MiB / rank | ÷ ideal |")
     print("|---|---|---|---|---|---|---|")
@@ -310,7 +318,7 @@ def bench_calibration(s: Sizes, write: bool) -> None:
 
 STEPS = {
     "kernels": bench_kernels,
-    "attention": bench_attention,
+    "attention": lambda s: bench_attention(s, write=True),
     "cp": bench_cp,
     "calibration": lambda s: bench_calibration(s, write=True),
 }

@@ -4,6 +4,7 @@ as ``benchmarks/results/<device>.md``)."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -43,12 +44,17 @@ def render(statuses: list[dict], rows: list[dict], dry: bool, total_s: float) ->
         for r in by["kernels"]
     ])  # fmt: skip
     lines += ["", "## Local attention (THD, useful FLOPs over time: fwd 4·pairs·H·D, bwd 2.5× that)", ""]
-    lines += _table(["kernel", "mask", "fwd ms", "bwd ms", "fwd TFLOP/s", "bwd TFLOP/s"], [
-        [r["kernel"], r["mask"], f"{r['fwd_ms']:.2f}", f"{r['bwd_ms']:.2f}", f"{r['fwd_tflops']:.4g}",
-         f"{r['bwd_tflops']:.4g}"] for r in by["attention"]
+    lines += _table(["kernel", "mask", "tokens", "fwd ms", "bwd ms", "fwd TFLOP/s", "bwd TFLOP/s"], [
+        [r["kernel"], r["mask"], r.get("tokens", "-"), f"{r['fwd_ms']:.2f}", f"{r['bwd_ms']:.2f}",
+         f"{r['fwd_tflops']:.4g}", f"{r['bwd_tflops']:.4g}"] for r in by["attention"]
     ])  # fmt: skip
-    picks = [f"{r['mask']}: {r['kernel']}" for r in rows if r["step"] == "selection"]
-    lines += ["", "Fastest candidate per mask (fwd+bwd): " + (", ".join(picks) or "-")]
+    for r in (r for r in rows if r["step"] == "pick"):
+        picks = sorted({(x["mask"], x["measured_tokens"], x["kernel"]) for x in r["entry"]["rules"]})
+        lines += ["", "Fastest candidate (fwd+bwd) per mask and size: "
+                  + (", ".join(f"{m} @ {t}: {k}" for m, t, k in picks) or "-")]  # fmt: skip
+        lines += ["", "Kernel pick table entry (commit into `megatron_cp_ext/backends/kernel_table.json`, "
+                  "under `devices`; `docs/kernels.md`):", "", "```json",
+                  json.dumps({r["device_class"]: r["entry"]}, indent=2, sort_keys=True), "```"]  # fmt: skip
     lines += ["", "## One-GPU CP (fwd+bwd of all ranks ÷ one call over the whole batch) and memory", ""]
     cp_rows = []
     for r in by["cp"]:

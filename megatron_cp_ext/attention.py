@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from . import agreement as agr
 from .backends import BACKENDS, get_backend
+from .backends import backend_name as resolved_name
 from .groups import CPGroups, GroupInfo, cp_groups, ranks_crc
 from .masks import MaskSpec
 from .schedules import SCHEDULES, a2a, build_plan
@@ -105,7 +106,8 @@ class _Call:
     sharding: CPSharding
     mask: MaskSpec
     scale: float
-    backend: ModuleType
+    backend: ModuleType | object
+    """Local kernels (:func:`.backends.get_backend`: a module, or a per-call picker)."""
     check: bool
     grad: bool
     heads: tuple | None
@@ -155,7 +157,7 @@ def _prepare(q, k, v, a: dict, known: _Known) -> _Call:
             f"{sharding.num_tokens(groups.rank)} (shard inputs with sharding.shard(x, rank))"
         )
     backend = get_backend(shapes.device, backend_name)
-    check_backend_dtype(backend.__name__.rsplit(".", 1)[-1], shapes.dtype)
+    check_backend_dtype(resolved_name(backend), shapes.dtype)
     offset = check_offset(a["softmax_offset"], shapes)
     if auto and groups.size > 1:
         comm_type, groups = _auto(a["cp_group"], groups, sharding, mask, shapes)
@@ -214,7 +216,7 @@ def _signature(c: _Call, state: dict) -> tuple[int, ...]:
         qkv_format=QKV_FORMATS.index(c.fmt), check=c.check, batch=b, seq_local=s_local,
         dtype=DTYPES.index(s.dtype), device=agr.device_index(s.device), hq=s.hq, hkv=s.hkv, dqk=s.dqk, dv=s.dv,
         causal=c.mask.causal, left=c.mask.left, right=c.mask.right, chunk=c.mask.chunk or 0,
-        scale=agr.float_bits(c.scale), backend=("reference", "flash").index(c.backend.__name__.rsplit(".", 1)[-1]),
+        scale=agr.float_bits(c.scale), backend=("reference", "flash").index(resolved_name(c.backend)),
         grad=c.grad, sink=c.offset is not None,
         cu_crc=state["cu_crc"], total_tokens=state["total_tokens"], num_seqs=state["num_seqs"],
         seg_crc=state["seg_crc"], tokens=s.tokens, rank_tokens=c.sharding.num_tokens(g.rank), max_logit=c.max_logit,
@@ -286,6 +288,8 @@ def cp_attention(
             "off-by-one" is zeros, "learnable" a parameter). Its gradient is this rank's
             partial; the data-parallel reduction over the CP ranks sums it.
         backend: local kernels: ``auto`` | ``reference`` | ``flash`` (fp16/bf16 on CUDA).
+            ``auto`` on CUDA runs each local call on the kernel measured fastest for its
+            shape on this device class (``docs/kernels.md``, "Local attention kernels").
         check: compare every call's arguments across CP ranks (one small all-gather and a
             host sync per call), not only the first call of each micro-batch: rank-local
             drift on a cached plan then raises on every rank instead of hanging. Every rank

@@ -14,7 +14,9 @@ import weakref
 import torch
 import torch.distributed as dist
 
-__all__ = ["Peers", "all_gather_padded", "reduce_scatter_padded", "exchange_ints", "global_ranks"]
+from . import inflight
+
+__all__ = ["Peers", "Batch", "all_gather_padded", "reduce_scatter_padded", "exchange_ints", "global_ranks"]
 
 _GLOBAL_RANKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 """Per process group (weakly held, like :mod:`.groups`' cache)."""
@@ -45,18 +47,46 @@ class Peers:
         self.tag = tag
         self._global = global_ranks(group)
 
-    def post(self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]]) -> list:
-        """Start ``sends`` (peer, tensor) and ``recvs`` (peer, buffer); returns the batch."""
-        ops = [
-            dist.P2POp(dist.isend, t.contiguous(), self._global[p], self.group, self.tag) for p, t in sends if t.numel()
-        ]
-        ops += [dist.P2POp(dist.irecv, t, self._global[p], self.group, self.tag) for p, t in recvs if t.numel()]
-        return dist.batch_isend_irecv(ops) if ops else []
+    def post(self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]]) -> Batch:
+        """Start ``sends`` (peer, tensor) and ``recvs`` (peer, buffer); returns the batch, which
+        holds every tensor the backend was given until :meth:`wait` (:mod:`.inflight`)."""
+        sends = [(p, t.contiguous()) for p, t in sends if t.numel()]
+        recvs = [(p, t) for p, t in recvs if t.numel()]
+        ops = [dist.P2POp(dist.isend, t, self._global[p], self.group, self.tag) for p, t in sends]
+        ops += [dist.P2POp(dist.irecv, t, self._global[p], self.group, self.tag) for p, t in recvs]
+        out, into = [t for _, t in sends], [t for _, t in recvs]
+        batch = Batch(dist.batch_isend_irecv(ops) if ops else [], out + into)
+        ledger = inflight.ACTIVE[0]
+        if ledger is not None and ops:
+            batch.ticket = ledger.post(batch, out, into)
+        return batch
 
     @staticmethod
     def wait(batch: list) -> None:
+        """Complete a batch; only then are its tensors released (the current stream now waits
+        for the transfers, so their blocks can be reused safely)."""
         for work in batch:
             work.wait()
+        ticket = getattr(batch, "ticket", None)
+        if ticket is not None:
+            ledger = inflight.ACTIVE[0]
+            if ledger is not None:
+                ledger.wait(ticket)
+        if isinstance(batch, Batch):
+            batch.tensors = []
+
+
+class Batch(list):
+    """The works of one :meth:`Peers.post` (a list, as ``batch_isend_irecv`` returns) and every
+    tensor they move, exactly as handed to the backend (``contiguous()`` copies included): held
+    here until :meth:`Peers.wait`, so no block a transfer uses returns to the allocator while the
+    transfer may still use it."""
+
+    def __init__(self, works: list, tensors: list[torch.Tensor]) -> None:
+        super().__init__(works)
+        self.tensors = tensors
+        self.ticket: int | None = None
+        """The batch's id in an installed :class:`.inflight.Ledger`."""
 
 
 def all_gather_padded(x: torch.Tensor, pad_rows: int, group: dist.ProcessGroup) -> torch.Tensor:

@@ -10,9 +10,11 @@ op's schema says nothing of head counts; the suite measures whether it pays), ``
 zero-padding V as in :mod:`.flash`. The op returns its log-sum-exp in its own layout; it is
 turned into the contract's ``[N, H]`` fp32 and back for the backward.
 
-This is a candidate: ``get_backend`` never returns it. ``benchmarks/gpu_suite.py`` times it
-against ``flash`` per call shape, and ``tests/gpu/test_local_kernels.py`` checks it call by
-call against the reference; a plan may use it only where both say so.
+This is a candidate of the per-call pick (:mod:`.pick`): ``backend="auto"`` runs it only for
+calls the measured table (``kernel_table.json``) names it for on this device class, and only
+where :func:`supports` holds. ``benchmarks/gpu_suite.py`` times it against the flash kernels
+per call shape and writes that table entry; ``tests/gpu/test_local_kernels.py`` checks it
+call by call against the reference.
 """
 
 from __future__ import annotations

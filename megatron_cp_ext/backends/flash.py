@@ -4,6 +4,10 @@ Both follow the contract of :mod:`.reference` (bottom-right aligned causal/windo
 entry, fp32 lse returned as ``[N, H]``). Multi-head-latent attention (``Dv != D``) is run by
 zero-padding V to ``D`` — exact, since padded output columns are sliced away and carry zero
 gradient. These paths need a CUDA device and are covered by ``tests/gpu``.
+
+``attn_fwd``/``attn_bwd`` (``backend="flash"``) take flash-attn when it is installed; the
+per-kernel functions (``fa_*``: flash-attn's varlen API, ``aten_*``: PyTorch's
+``aten._flash_attention_forward``) are the separate candidates :mod:`.pick` chooses between.
 """
 
 from __future__ import annotations
@@ -17,9 +21,18 @@ import torch.nn.functional as F
 # return the lse, which only bounds the max).
 from .reference import max_logit  # noqa: F401
 
-__all__ = ["HAS_FLASH_ATTN", "attn_fwd", "attn_bwd", "max_logit"]
+__all__ = ["HAS_FLASH_ATTN", "attn_fwd", "attn_bwd", "max_logit", "supports"]
+__all__ += ["fa_fwd", "fa_bwd", "aten_fwd", "aten_bwd"]
 
 HAS_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
+MAX_HEAD_DIM = 256
+"""Largest q/k head dim the flash kernels take (V is padded to it)."""
+
+
+def supports(causal: bool, window: tuple[int, int], dtype: torch.dtype, d: int, dv: int) -> bool:
+    """Whether a call is expressible by the flash kernels (host values only): fp16/bf16, head
+    dims up to :data:`MAX_HEAD_DIM` (``Dv <= D``, as V is padded to D); every mask."""
+    return dtype in (torch.float16, torch.bfloat16) and dv <= d <= MAX_HEAD_DIM and d % 8 == 0
 
 
 def _pad_v(v: torch.Tensor, d: int) -> torch.Tensor:
@@ -30,43 +43,61 @@ def _window(causal: bool, window: tuple[int, int]) -> tuple[int, int]:
     return (window[0], 0) if causal else window
 
 
-def attn_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, scale):
-    dv = v.shape[-1]
-    vp = _pad_v(v, q.shape[-1])
-    left, right = _window(causal, window)
-    if HAS_FLASH_ATTN:
-        from flash_attn.flash_attn_interface import flash_attn_varlen_func
+def fa_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, scale):
+    from flash_attn.flash_attn_interface import flash_attn_varlen_func
 
-        out, lse, _ = flash_attn_varlen_func(
-            q, k, vp, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-            softmax_scale=scale, causal=causal, window_size=(left, right), return_attn_probs=True,
-        )  # fmt: skip
-    else:
-        out, lse, *_ = torch.ops.aten._flash_attention_forward(
-            q, k, vp, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0, causal, False,
-            scale=scale, window_size_left=left, window_size_right=right,
-        )  # fmt: skip
+    dv, (left, right) = v.shape[-1], _window(causal, window)
+    out, lse, _ = flash_attn_varlen_func(
+        q, k, _pad_v(v, q.shape[-1]), cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+        softmax_scale=scale, causal=causal, window_size=(left, right), return_attn_probs=True,
+    )  # fmt: skip
     return out[..., :dv], lse.float().t()
 
 
-def attn_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, scale):
-    d, dv = q.shape[-1], v.shape[-1]
-    vp, outp, doutp = _pad_v(v, d), _pad_v(out, d), _pad_v(dout.to(q.dtype), d)
-    lse_HN = lse.t().contiguous()
-    left, right = _window(causal, window)
-    if HAS_FLASH_ATTN:
-        from flash_attn.flash_attn_interface import _flash_attn_varlen_backward
+def aten_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, scale):
+    dv, (left, right) = v.shape[-1], _window(causal, window)
+    out, lse, *_ = torch.ops.aten._flash_attention_forward(
+        q, k, _pad_v(v, q.shape[-1]), cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0, causal, False,
+        scale=scale, window_size_left=left, window_size_right=right,
+    )  # fmt: skip
+    return out[..., :dv], lse.float().t()
 
-        dq, dk, dvp = torch.empty_like(q), torch.empty_like(k), torch.empty_like(vp)
-        _flash_attn_varlen_backward(
-            doutp, q, k, vp, outp, lse_HN, dq, dk, dvp, cu_seqlens_q, cu_seqlens_k,
-            max_seqlen_q, max_seqlen_k, 0.0, scale, causal, left, right, 0.0, None, False, None,
-        )  # fmt: skip
-    else:
-        rng = torch.zeros(2, dtype=torch.uint64, device=q.device)
-        dq, dk, dvp = torch.ops.aten._flash_attention_backward(
-            doutp, q, k, vp, outp, lse_HN, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-            0.0, causal, rng, torch.empty(0, device=q.device),
-            scale=scale, window_size_left=left, window_size_right=right,
-        )  # fmt: skip
-    return dq, dk, dvp[..., :dv]
+
+def _bwd_inputs(dout, q, v, out, lse):
+    d = q.shape[-1]
+    return _pad_v(v, d), _pad_v(out, d), _pad_v(dout.to(q.dtype), d), lse.t().contiguous()
+
+
+def fa_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, scale):
+    from flash_attn.flash_attn_interface import _flash_attn_varlen_backward
+
+    vp, outp, doutp, lse_HN = _bwd_inputs(dout, q, v, out, lse)
+    left, right = _window(causal, window)
+    dq, dk, dvp = torch.empty_like(q), torch.empty_like(k), torch.empty_like(vp)
+    _flash_attn_varlen_backward(
+        doutp, q, k, vp, outp, lse_HN, dq, dk, dvp, cu_seqlens_q, cu_seqlens_k,
+        max_seqlen_q, max_seqlen_k, 0.0, scale, causal, left, right, 0.0, None, False, None,
+    )  # fmt: skip
+    return dq, dk, dvp[..., : v.shape[-1]]
+
+
+def aten_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, scale):
+    vp, outp, doutp, lse_HN = _bwd_inputs(dout, q, v, out, lse)
+    left, right = _window(causal, window)
+    rng = torch.zeros(2, dtype=torch.uint64, device=q.device)
+    dq, dk, dvp = torch.ops.aten._flash_attention_backward(
+        doutp, q, k, vp, outp, lse_HN, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+        0.0, causal, rng, torch.empty(0, device=q.device),
+        scale=scale, window_size_left=left, window_size_right=right,
+    )  # fmt: skip
+    return dq, dk, dvp[..., : v.shape[-1]]
+
+
+def attn_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, scale):
+    fn = fa_fwd if HAS_FLASH_ATTN else aten_fwd
+    return fn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, scale)
+
+
+def attn_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, scale):
+    fn = fa_bwd if HAS_FLASH_ATTN else aten_bwd
+    return fn(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, scale)

@@ -30,8 +30,9 @@ class Run:
     """The schedule's plan for this rank (built once per micro-batch)."""
     group: object
     """Process group(s) the schedule communicates over (None for a single rank)."""
-    backend: ModuleType
-    """Local varlen kernels (``attn_fwd``/``attn_bwd``)."""
+    backend: ModuleType | object
+    """Local varlen kernels (``attn_fwd``/``attn_bwd``/``max_logit``): a backend module, or a
+    :class:`~..backends.pick.Picker` choosing one per call."""
     scale: float
     """Softmax scale."""
     dk: int

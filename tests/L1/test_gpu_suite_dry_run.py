@@ -1,6 +1,7 @@
 """``benchmarks/gpu_suite.py --dry-run``: every step of the GPU program runs on the CPU through
 the same code and writes its file; what a lent GPU machine hands back fits its limits."""
 
+import json
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -10,6 +11,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import gpu_suite  # noqa: E402
+
+from megatron_cp_ext.backends import pick  # noqa: E402
 
 
 def test_dry_run_runs_every_step(tmp_path):
@@ -42,3 +45,12 @@ def test_dry_run_runs_every_step(tmp_path):
     ):
         assert needle in report, needle
     assert "| h100-nvlink-ib400 |" in report
+    # the kernel pick table entry a GPU run would commit: valid, loadable, the CPU's kernel
+    entry = json.loads(report.split("```json\n", 1)[1].split("```", 1)[0])
+    table = tmp_path / "kernel_table.json"
+    table.write_text(json.dumps({"devices": entry}))
+    rules = pick.load_table(str(table))["devices"]["cpu"]["rules"]
+    assert {(r["mask"], r["measured_tokens"]) for r in rules} == {(m, t) for m in ("causal", "none", "window")
+                                                                  for t in (96, 384)}  # fmt: skip
+    assert {r["kernel"] for r in rules} == {"reference"}
+    assert not (ROOT / "megatron_cp_ext" / "backends" / "kernel_table.json").read_text().count('"cpu"')

@@ -3,11 +3,13 @@ real plans emit (CP 1 and the ring steps of CP 2 through the in-process runner):
 mask, windows incl. bidirectional, chunked; GQA, MQA, MLA (Dv != D); bf16/fp16; documents of
 length 0, 1 and odd lengths."""
 
+import dataclasses
+
 import pytest
 import torch
 
 import megatron_cp_ext as mcx
-from megatron_cp_ext.backends import cudnn, flash, reference
+from megatron_cp_ext.backends import flash, pick, reference
 from megatron_cp_ext.testing.inproc import run_threads
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -25,10 +27,11 @@ HEADS = {"gqa": (8, 2, 64, 64), "mqa": (8, 1, 64, 64), "mla": (8, 2, 96, 64)}
 
 
 def _candidates() -> dict:
-    out = {"flash": flash}
-    if cudnn.available():
-        out["cudnn"] = cudnn
-    return out
+    """``flash`` (what ``backend="flash"`` runs) and every GPU candidate of the pick table here."""
+    dev = torch.device("cuda")
+    out = {"flash": pick.Kernel(name="flash", fwd=flash.attn_fwd, bwd=flash.attn_bwd, available=lambda d: True,
+                                supports=pick.KERNELS["aten_flash"].supports)}  # fmt: skip
+    return {**out, **{n: k for n, k in pick.KERNELS.items() if n != "reference" and k.available(dev)}}
 
 
 def _record(monkeypatch) -> list:
@@ -64,14 +67,13 @@ def _layer(rank: int, world: int, mask: dict, heads: tuple, dtype: torch.dtype) 
     out.backward(torch.randn_like(out))
 
 
-def _check(name, mod, kind, a) -> None:
+def _check(name, kern, kind, a) -> None:
     up = lambda x: x.float() if x.is_floating_point() else x  # noqa: E731 - the reference in fp32
     if kind == "fwd":
         q, k, v, *rest = a
-        causal, window = rest[4], rest[5]
-        if name == "cudnn" and not cudnn.supports(causal, window, q.dtype):
-            return
-        out, lse = mod.attn_fwd(*a)
+        if not kern.supports(pick.call_shape(q, k, v, rest[3], rest[4], rest[5])):
+            return  # the pick never sends it this call
+        out, lse = kern.fwd(*a)
         ref_out, ref_lse = reference.attn_fwd(up(q), up(k), up(v), *rest)
         torch.testing.assert_close(out.float(), ref_out, atol=2e-2, rtol=0)
         seen = torch.isfinite(ref_lse)
@@ -81,10 +83,9 @@ def _check(name, mod, kind, a) -> None:
             torch.testing.assert_close(lse[seen], ref_lse[seen], atol=tol, rtol=0)
     else:
         dout, q, k, v, out, lse, *rest = a
-        causal, window = rest[4], rest[5]
-        if name == "cudnn" and not cudnn.supports(causal, window, q.dtype):
+        if not kern.supports(pick.call_shape(q, k, v, rest[3], rest[4], rest[5])):
             return
-        got = mod.attn_bwd(*a)
+        got = kern.bwd(*a)
         want = reference.attn_bwd(*(up(x) for x in (dout, q, k, v, out)), lse, *rest)
         for x, w in zip(got, want):
             scale = max(1.0, w.abs().max().item())
@@ -103,6 +104,31 @@ def test_candidates_match_reference_call_by_call(monkeypatch, mask, heads, dtype
         run_threads(world, _layer, MASKS[mask], HEADS[heads], dtype, device="cuda", timeout=120)
     assert any(k == "fwd" for k, _ in calls) and any(k == "bwd" for k, _ in calls)
     monkeypatch.undo()  # replay on the real kernels
-    for name, mod in _candidates().items():
+    for name, kern in _candidates().items():
         for kind, a in calls:
-            _check(name, mod, kind, a)
+            _check(name, kern, kind, a)
+
+
+@pytest.mark.parametrize("mask", ["nomask", "causal", "bidir"])
+def test_auto_runs_the_table_pick(tmp_path, monkeypatch, mask):
+    """``backend="auto"`` with a table naming cuDNN for every call: cuDNN runs the calls it can
+    express, the flash kernels the others, and the layer matches ``backend="flash"``."""
+    if not pick.KERNELS["cudnn"].available(torch.device("cuda")):
+        pytest.skip("no cuDNN varlen attention in this torch")
+    cls = pick.device_class(torch.device("cuda"))
+    table = tmp_path / "table.json"
+    pick.write_entry(cls, {"source": "test", "rules": [{"kernel": "cudnn"}]}, str(table))
+    monkeypatch.setenv("MCX_KERNEL_TABLE", str(table))
+    ran = []
+    for name in ("cudnn", "aten_flash", "flash_attn"):
+        k = pick.KERNELS[name]
+        rec = lambda *a, _f=k.fwd, _n=name: (ran.append(_n), _f(*a))[1]  # noqa: E731
+        monkeypatch.setitem(pick.KERNELS, name, dataclasses.replace(k, fwd=rec))
+    sh = mcx.shard_sequences(CU, 1, **MASKS[mask])
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(CU[-1], h, 64, device="cuda", generator=g, dtype=torch.bfloat16) for h in (8, 2, 2))
+    outs = {
+        b: mcx.cp_attention(q, k, v, cp_group=None, sharding=sh, backend=b, **MASKS[mask]) for b in ("auto", "flash")
+    }
+    torch.testing.assert_close(outs["auto"].float(), outs["flash"].float(), atol=2e-2, rtol=0)
+    assert ran and (set(ran) == {"cudnn"}) == (mask == "nomask"), ran

@@ -2,12 +2,18 @@
 summarised: attention kernels, transfers, the streams they ran on and how much of the transfer
 time overlapped compute. On one GPU the runner's transfers are device copies on the ranks'
 stream, so the overlap printed here is a floor; the test checks that the trace holds every
-step's compute and transfers and prints the summary for the device report."""
+step's compute and transfers and prints the summary for the device report.
+
+No allocator reuse across streams: the same layer runs under :func:`megatron_cp_ext.inflight.tracking`
+with the caching allocator's history recorded; every batch handed to a transfer was waited
+before release, and no allocation (on any stream) overlaps a buffer between its post and its
+wait (allocations are tagged with the ledger's sequence, so the trace orders exactly)."""
 
 import pytest
 import torch
 
 import megatron_cp_ext as mcx
+from megatron_cp_ext import inflight
 from megatron_cp_ext.testing.inproc import run_threads
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -52,3 +58,26 @@ def test_p2p_layer_trace_summary():
     print("p2p layer trace:", s)
     assert s["compute_kernels"] >= 4 * 2  # every rank: its own block and at least one ring step, fwd and bwd
     assert s["transfers"] > 0  # the ring moved KV between ranks
+
+
+def test_p2p_layer_no_allocator_reuse_across_streams():
+    run_threads(4, _layer, True, device="cuda", timeout=120)  # plans, warm kernels
+    if not hasattr(torch.cuda.memory, "_set_memory_metadata"):
+        pytest.skip("this torch cannot tag allocations (torch.cuda.memory._set_memory_metadata)")
+    torch.cuda.memory._record_memory_history(max_entries=200_000)
+    try:
+        with inflight.tracking() as ledger:
+            run_threads(4, _layer, False, device="cuda", timeout=120)
+        snap = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    import gc
+
+    gc.collect()
+    allocs = inflight.trace_allocs(snap)
+    s = {**ledger.summary(), "allocs": len(allocs), "tagged": sum(a["seq"] is not None for a in allocs),
+         "alloc_streams": sorted({a["stream"] for a in allocs})}  # fmt: skip
+    print("p2p layer transfers:", s)
+    assert s["batches"] > 0 and s["unwaited"] == [] and s["violations"] == []
+    assert s["tagged"] > 0  # the layer allocated between posts and waits, and the trace says when
+    assert inflight.reuse_hazards(ledger.windows(), allocs) == []
