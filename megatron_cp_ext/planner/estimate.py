@@ -26,8 +26,7 @@ import numpy as np
 
 from ..geometry import BIG, bounds, tile_area
 from ..masks import MaskSpec
-from ..plan.calls import MAX_SLICE_CALLS, Layout, _fuse, _join, _pieces, merge_ranges
-from ..schedules.a2a import group_union
+from ..plan.calls import MAX_SLICE_CALLS, Layout, _join, _levels, _pieces, merge_ranges
 from ..schedules.heads import split_heads
 from ..sharding import CPSharding
 from .cost import PHASES
@@ -49,18 +48,15 @@ class Geometry:
 def _runs(keys: list[np.ndarray], out: np.ndarray, size: int) -> np.ndarray:
     """Per ``out`` id, the calls of entries grouped by ``keys`` (the last four: ``q0, q1, k0,
     k1`` rows), as :func:`~megatron_cp_ext.plan.calls.plan_steps` splits them: entries over the
-    very same query rows go to separate calls (levels); a level whose entries form at most
+    same query rows go to separate calls (``plan.calls._levels``); a level whose entries form at most
     ``MAX_SLICE_CALLS`` runs of consecutive rows is that many slice calls, else one gather."""
     if not len(out):
         return np.zeros(size, np.int64)
     *group, q0, q1, k0, k1 = keys
-    order = np.lexsort((k0, q1, q0, *group[::-1]))
+    order = _order([*group, q0, k0])
     group, q0, q1, k0, k1, out = [g[order] for g in group], q0[order], q1[order], k0[order], k1[order], out[order]
-    head = _starts(group)
-    same_rows = _starts([*group, q0, q1])
-    idx = np.arange(len(q0))
-    level = idx - np.maximum.accumulate(np.where(same_rows, idx, 0))
-    order = np.lexsort((k0, q0, level, *group[::-1]))
+    level = _levels(q0, q1, _starts(group))
+    order = _order([*group, level, q0, k0])
     group, q0, q1, k0, k1, out, level = ([g[order] for g in group], q0[order], q1[order], k0[order], k1[order],
                                          out[order], level[order])  # fmt: skip
     head = _starts([*group, level])
@@ -72,6 +68,38 @@ def _runs(keys: list[np.ndarray], out: np.ndarray, size: int) -> np.ndarray:
     return np.bincount(out[first], weights=calls, minlength=size).astype(np.int64)
 
 
+def _order(cols: list[np.ndarray]) -> np.ndarray:
+    """``np.lexsort`` by ``cols`` (most significant first) with neighbouring columns packed
+    into one int64 key while their value ranges fit (fewer, faster sort passes)."""
+    keys, cur, span = [], None, 1
+    for c in cols:
+        lo = int(c.min())
+        r = int(c.max()) - lo + 1
+        c = c - lo
+        if cur is not None and span * r < 1 << 62:
+            cur, span = cur * r + c, span * r
+        else:
+            if cur is not None:
+                keys.append(cur)
+            cur, span = c, r
+    keys.append(cur)
+    return np.lexsort(keys[::-1]) if len(keys) > 1 else np.argsort(keys[0], kind="stable")
+
+
+def _fuse_rows(buf, q0, q1, k0, k1, by_q: bool):
+    """``plan.calls._fuse`` (fully visible entries with the same rows on one side and
+    adjacent rows on the other become one) with packed sort keys."""
+    a0, a1, b0, b1 = (q0, q1, k0, k1) if by_q else (k0, k1, q0, q1)
+    order = _order([buf, a0, a1, b0])
+    buf, a0, a1, b0, b1 = buf[order], a0[order], a1[order], b0[order], b1[order]
+    head = _starts([buf, a0, a1])
+    head[1:] |= b0[1:] != b1[:-1]
+    first = np.nonzero(head)[0]
+    last = np.append(first[1:], len(buf)) - 1
+    out = buf[first], a0[first], a1[first], b0[first], b1[last]
+    return out if by_q else (out[0], out[3], out[4], out[1], out[2])
+
+
 def _starts(cols: list[np.ndarray]) -> np.ndarray:
     """Start flags of runs of equal rows of ``cols`` (sorted)."""
     flag = np.zeros(len(cols[0]), bool)
@@ -81,10 +109,15 @@ def _starts(cols: list[np.ndarray]) -> np.ndarray:
     return flag
 
 
-def geometry(parts: list[np.ndarray], mask: MaskSpec) -> Geometry:
-    """:class:`Geometry` of participants holding ``parts[j]`` (``[k, 3]`` ``(seq, start, end)``)."""
-    n = len(parts)
-    lay = Layout.concat([Layout.packed(s[:, 0], s[:, 1], s[:, 2], buf=j) for j, s in enumerate(parts)])
+def geometry(seg: np.ndarray, owner: np.ndarray, n: int, mask: MaskSpec, *, ring=True, gather=True) -> Geometry:
+    """:class:`Geometry` of ``n`` participants: participant ``owner[i]`` holds ``seg[i]``
+    (``(seq, start, end)``; ``owner`` ascending, each participant's rows in local order).
+    ``ring`` / ``gather``: price the p2p buffers / the gathered buffer (else zeros)."""
+    seg, owner = np.asarray(seg, np.int64).reshape(-1, 3), np.asarray(owner, np.int64)
+    length = seg[:, 2] - seg[:, 1]
+    at = np.cumsum(length) - length
+    first = np.searchsorted(owner, owner, "left")
+    lay = Layout(seg[:, 0], seg[:, 1], seg[:, 2], at - at[first] if len(at) else at, owner)
     p = _pieces(lay, mask.chunk)
     qi, ki = _join(p, p)
     lo, up = bounds(mask)
@@ -96,34 +129,63 @@ def geometry(parts: list[np.ndarray], mask: MaskSpec) -> Geometry:
     key, ra, rb = merge_ranges(u * n + o, r0, r1)
     need = np.bincount(key, weights=rb - ra, minlength=n * n).astype(np.int64).reshape(n, n)
     np.fill_diagonal(need, 0)
-    # the band entries of each piece pair (as ``geometry.band_blocks``, inlined: no flash flags)
+    qi, ki, sq, sk, left, right, q0, kr = _band(p, p, qi, ki, lo, up)
+    u, o = p.buf[qi], p.buf[ki]
+    causal = lo >= BIG and up == 0  # plain causal: a unit's own pieces become one causal entry
+    if causal:
+        drop, extra = _compress(p, qi, whole=None, pad=0)
+        drop &= u == o
+        u, o, q0, sq, kr, sk, left, right = _swap(drop, extra, (u, o, q0, sq, kr, sk, left, right))
+    pair = u * n + o
+    area, calls = np.zeros(n * n), np.zeros(n * n, np.int64)
+    if ring:
+        # p2p receives only the needed ranges, packed: key rows there
+        code = key * BIG + ra
+        at = np.maximum(np.searchsorted(code, pair * BIG + kr, "right") - 1, 0)
+        packed = np.cumsum(rb - ra) - (rb - ra)
+        packed -= packed[np.searchsorted(key, key)] if len(key) else 0
+        kp = np.where(u == o, kr, kr - ra[at] + packed[at]) if len(key) else kr
+        area, calls = _price(pair, n * n, q0, sq, kp, sk, left, right)
+    area_all, calls_all = np.zeros(n), np.zeros(n, np.int64)
+    if gather:  # rank j's block at row j * pad of one buffer, pad = the largest block
+        pad = int(np.bincount(owner, weights=length, minlength=n).max()) if len(owner) else 0
+        g = _pieces(Layout(lay.seq, lay.start, lay.end, lay.row + owner * pad, np.zeros_like(owner)), mask.chunk)
+        gi, gk = _join(p, g)
+        gi, gk, sq, sk, left, right, q0, kr = _band(p, g, gi, gk, lo, up)
+        u = p.buf[gi]
+        if causal:
+            drop, extra = _compress(p, gi, whole=g, pad=pad)
+            u, q0, sq, kr, sk, left, right = _swap(drop, extra, (u, None, q0, sq, kr, sk, left, right))
+        area_all, calls_all = _price(u, n, q0, sq, kr, sk, left, right)
+    return Geometry(area.reshape(n, n), calls.reshape(n, n), need, area_all, calls_all)
+
+
+def _band(qp, kp, qi, ki, lo: int, up: int):
+    """The band entry of each (query piece, key piece) pair that sees anything (as
+    ``geometry.band_blocks``): ``qi, ki, sq, sk, left, right`` and its first query and key rows."""
+    qs, qe, ks, ke = qp.start[qi], qp.end[qi], kp.start[ki], kp.end[ki]
     a = np.maximum(qs, ks - up)
     b = np.minimum(qe, ke + lo)
     k0 = np.maximum(ks, a - lo)
     k1 = np.minimum(ke, b + up)
     keep = (a < b) & (k0 < k1)
-    a, b, k0, k1, qi, u, o = a[keep], b[keep], k0[keep], k1[keep], qi[keep], u[keep], o[keep]
+    a, b, k0, k1, qi, ki = a[keep], b[keep], k0[keep], k1[keep], qi[keep], ki[keep]
     sq, sk = b - a, k1 - k0
     c = sk - sq
     left = np.minimum(lo, BIG) + k1 - b
     right = np.minimum(up, BIG) + b - k1
     left = np.where((lo >= BIG) | ((sq - 1) + c - left <= 0), -1, left)
     right = np.where((up >= BIG) | (c + right >= sk - 1), -1, right)
-    q0 = p.row[qi] + a - p.start[qi]
-    kr = p.row[ki[keep]] + k0 - ks[keep]
-    if lo >= BIG and up == 0:  # plain causal: a unit's own pieces become one causal entry
-        u, o, q0, sq, kr, sk, left, right = _compress(p, u, o, qi, (q0, sq, kr, sk, left, right))
-    pair = u * n + o
-    # p2p receives only the needed ranges, packed: key rows there
-    code = key * BIG + ra
-    at = np.maximum(np.searchsorted(code, pair * BIG + kr, "right") - 1, 0)
-    packed = np.cumsum(rb - ra) - (rb - ra)
-    packed -= packed[np.searchsorted(key, key)] if len(key) else 0
-    kp = np.where(u == o, kr, kr - ra[at] + packed[at]) if len(key) else kr
-    area, calls = _price(pair, n * n, q0, sq, kp, sk, left, right)
-    # all_gather: every rank's block at its own offset (never consecutive across ranks)
-    area_all, calls_all = _price(u, n, q0, sq, kr + o * BIG, sk, left, right)
-    return Geometry(area.reshape(n, n), calls.reshape(n, n), need, area_all, calls_all)
+    return qi, ki, sq, sk, left, right, qp.row[qi] + a - qp.start[qi], kp.row[ki] + k0 - kp.start[ki]
+
+
+def _swap(drop, extra, cols):
+    """Entries ``cols`` (``u, o, q0, sq, kr, sk, left, right``; ``o`` may be None) without
+    ``drop`` and with the compressed ``extra`` entries."""
+    owner, q0, total, k0 = extra
+    none = np.full(len(owner), -1)
+    add = (owner, owner, q0, total, k0, total, none, none + 1)
+    return tuple(np.concatenate([c[~drop], x]).astype(np.int64) for c, x in zip(cols, add) if c is not None)
 
 
 def _price(buf, size, q0, sq, k0, sk, left, right) -> tuple[np.ndarray, np.ndarray]:
@@ -132,10 +194,10 @@ def _price(buf, size, q0, sq, k0, sk, left, right) -> tuple[np.ndarray, np.ndarr
     ``plan.calls._entries`` does."""
     full = (left < 0) & (right < 0)
     f = [x[full] for x in (buf, q0, q0 + sq, k0, k0 + sk)]
-    for _ in range(3):
+    for _ in range(3 if len(f[0]) else 0):
         m = len(f[0])
-        f = list(_fuse(*f, by_q=True))
-        f = list(_fuse(*f, by_q=False))
+        f = list(_fuse_rows(*f, by_q=True))
+        f = list(_fuse_rows(*f, by_q=False))
         if len(f[0]) == m:
             break
     band = ~full
@@ -146,9 +208,12 @@ def _price(buf, size, q0, sq, k0, sk, left, right) -> tuple[np.ndarray, np.ndarr
     return area, _runs([buf, left, right, q0, q1, k0, k1], buf, size)
 
 
-def _compress(p, u, o, qi, cols):
-    """Replace the entries among a participant's own >= 2 pieces of one unit (at consecutive
-    rows in position order) by one causal entry over them (``plan.calls._compressed``)."""
+def _compress(p, qi, whole, pad: int):
+    """``plan.calls._compressed``: a participant's >= 2 query pieces of one unit (at
+    consecutive rows in position order) against the very same key pieces become one causal
+    entry. Returns the entries to drop (by their query piece ``qi``) and the new ones
+    ``(owner, q0, length, k0)``. ``whole``: the gathered buffer's pieces (then the unit must
+    lie wholly on the participant, at row ``owner * pad`` + its own row); None: the own block."""
     order = np.lexsort((p.start, p.unit, p.buf))
     buf, unit, start, end, row = p.buf[order], p.unit[order], p.start[order], p.end[order], p.row[order]
     head = _starts([buf, unit])
@@ -157,16 +222,16 @@ def _compress(p, u, o, qi, cols):
     first = np.nonzero(head)[0]
     count = np.diff(np.append(first, len(buf)))
     ok = (count >= 2) & np.logical_and.reduceat(cont, first)
+    total = np.add.reduceat(end - start, first)
+    if whole is not None:  # the unit's keys in the gathered buffer are exactly these pieces
+        units, inv = np.unique(whole.unit, return_inverse=True)
+        unit_total = np.bincount(inv, weights=whole.end - whole.start, minlength=len(units))
+        ok &= unit_total[np.minimum(np.searchsorted(units, unit[first]), len(units) - 1)] == total
     gid = np.empty(len(buf), np.int64)
     gid[order] = np.cumsum(head) - 1
-    drop = (u == o) & ok[gid[qi]]
+    drop = ok[gid[qi]]
     sel = first[ok]
-    total = np.add.reduceat(end - start, first)[ok]
-    q0, sq, kr, sk, left, right = (c[~drop] for c in cols)
-    none = np.full(len(sel), -1)
-    cat = lambda x, y: np.concatenate([x, y]).astype(np.int64)  # noqa: E731
-    return (cat(u[~drop], buf[sel]), cat(o[~drop], buf[sel]), cat(q0, row[sel]), cat(sq, total), cat(kr, row[sel]),
-            cat(sk, total), cat(left, none), cat(right, none + 1))  # fmt: skip
+    return drop, (buf[sel], row[sel], total[ok], row[sel] + buf[sel] * pad)
 
 
 def _link(a: np.ndarray, b: np.ndarray, nbytes, prof: HardwareProfile) -> np.ndarray:
@@ -195,14 +260,16 @@ def _ring_times(geo: Geometry, part, cp_of, kv_row, grad_row, heads, sh: _Shape,
     lat = prof.latency_us * 1e-6
     live = np.asarray(heads) > 0  # a member without heads makes no calls
     comp0 = sh.compute_s(geo.area[part, part], geo.calls[part, part] * live, heads, prof)
-    steps = []
-    for s in range(1, n):
-        src, dst = (part - s) % n, (part + s) % n
-        recv, send = geo.need[part, src], geo.need[dst, part]
-        active = (recv > 0) | (send > 0)
-        if active.any():
-            comp = sh.compute_s(geo.area[part, src], geo.calls[part, src] * live, heads, prof)
-            steps.append((active, recv, send, cp_of(src), cp_of(dst), comp))
+    shift = np.arange(1, n)[:, None]
+    src, dst = (part - shift) % n, (part + shift) % n  # [step, rank]
+    recv, send = geo.need[part, src], geo.need[dst, part]
+    active = (recv > 0) | (send > 0)
+    comp = sh.compute_s(geo.area[part, src], geo.calls[part, src] * live, heads, prof)
+    csrc, cdst = cp_of(src), cp_of(dst)
+    steps = [
+        (active[i], recv[i], send[i], csrc[i], cdst[i], {ph: comp[ph][i] for ph in PHASES})
+        for i in np.nonzero(active.any(axis=1))[0]
+    ]
     out = {}
     for ph in PHASES:
         kstart, kend, cend = np.zeros(len(part)), comp0[ph].copy(), np.zeros(len(part))
@@ -246,7 +313,8 @@ def estimate_times(
     sh = _Shape(num_heads, num_kv_heads, head_dim, v_head_dim, element_size)
     kv_row = num_kv_heads * (head_dim + v_head_dim) * element_size
     grad_row = num_kv_heads * (head_dim + v_head_dim) * 4
-    counts = np.array(sharding.counts(), np.int64)
+    owner = np.repeat(np.arange(cp), np.diff(sharding.rank_ptr))
+    counts = np.bincount(owner, weights=sharding.seg[:, 2] - sharding.seg[:, 1], minlength=cp).astype(np.int64)
     ranks = np.arange(cp)
     lat = profile.latency_us * 1e-6
     flat = None
@@ -254,7 +322,8 @@ def estimate_times(
     for ct in candidates:
         if ct in ("p2p", "all_gather"):
             if flat is None:
-                flat = geometry([sharding.rank_segments(r) for r in range(cp)], mask)
+                flat = geometry(sharding.seg, owner, cp, mask, ring="p2p" in candidates,
+                                gather="all_gather" in candidates)  # fmt: skip
             if ct == "p2p":
                 zero = dict.fromkeys(PHASES, np.zeros(cp))
                 t = _ring_times(flat, ranks, lambda j: j, kv_row, grad_row, num_heads, sh, profile, zero)
@@ -267,15 +336,29 @@ def estimate_times(
                 t = {p: coll[p] + comp[p] for p in PHASES}
         else:
             a = cp if ct == "a2a" else a2a_size
-            t = _a2a_times(sharding, mask, a, counts, sh, profile)
+            t = _a2a_times(sharding, owner, mask, a, counts, sh, profile)
         out[ct] = {p: float(np.max(t[p])) for p in PHASES}
     return out
 
 
-def _a2a_times(sharding: CPSharding, mask: MaskSpec, a: int, counts: np.ndarray, sh: _Shape, prof) -> dict:
+def _unions(seg: np.ndarray, group: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each group's segments in (sequence, position) order with adjacent ones joined (what
+    ``schedules.a2a.group_union`` lays out), all groups at once: ``(seg, group)``."""
+    keep = seg[:, 2] > seg[:, 1]
+    seg, group = seg[keep], group[keep]
+    order = np.lexsort((seg[:, 1], seg[:, 0], group))
+    seg, group = seg[order], group[order]
+    head = np.ones(len(seg), bool)
+    head[1:] = (group[1:] != group[:-1]) | (seg[1:, 0] != seg[:-1, 0]) | (seg[1:, 1] != seg[:-1, 2])
+    first = np.nonzero(head)[0]
+    last = np.append(first[1:], len(seg)) - 1
+    return np.stack([seg[first, 0], seg[first, 1], seg[last, 2]], axis=1), group[first]
+
+
+def _a2a_times(sharding: CPSharding, owner, mask: MaskSpec, a: int, counts: np.ndarray, sh: _Shape, prof) -> dict:
     cp = sharding.cp_size
-    unions = [group_union(sharding, range(g * a, (g + 1) * a))[0] for g in range(cp // a)]
-    geo = geometry(unions, mask)
+    useg, ugroup = _unions(sharding.seg, owner // a)
+    geo = geometry(useg, ugroup, cp // a, mask, gather=False)
     q_parts, kv_parts = split_heads(sh.hq, sh.hkv, a)
     nq = np.array([y - x for x, y in q_parts])
     nkv = np.array([y - x for x, y in kv_parts])
