@@ -55,7 +55,7 @@ def _runs(keys: list[np.ndarray], out: np.ndarray, size: int) -> np.ndarray:
     *group, q0, q1, k0, k1 = keys
     order = _order([*group, q0, k0])
     group, q0, q1, k0, k1, out = [g[order] for g in group], q0[order], q1[order], k0[order], k1[order], out[order]
-    level = _levels(q0, q1, _starts(group))
+    level = _rank_levels(group[0], q0, q1, _starts(group))
     order = _order([*group, level, q0, k0])
     group, q0, q1, k0, k1, out, level = ([g[order] for g in group], q0[order], q1[order], k0[order], k1[order],
                                          out[order], level[order])  # fmt: skip
@@ -66,6 +66,26 @@ def _runs(keys: list[np.ndarray], out: np.ndarray, size: int) -> np.ndarray:
     runs = np.add.reduceat(brk, first)
     calls = np.where(runs <= MAX_SLICE_CALLS, runs, 1)
     return np.bincount(out[first], weights=calls, minlength=size).astype(np.int64)
+
+
+def _rank_levels(rank: np.ndarray, q0: np.ndarray, q1: np.ndarray, head: np.ndarray) -> np.ndarray:
+    """``plan.calls._levels`` of every rank's entries (sorted by ``rank``, group, query start;
+    ``head``: group starts) as if computed rank by rank: entries over the very same query rows
+    take one level each, unless that leaves overlaps in a rank, which then gets the general
+    interval partitioning."""
+    gid = np.cumsum(head) - 1
+    idx = np.arange(len(q0))
+    level = idx - np.maximum.accumulate(np.where(_starts([gid, q0, q1]), idx, 0))
+    order = np.lexsort((q0, level, gid))
+    q0s, q1s, first = q0[order], q1[order], _starts([gid[order], level[order]])
+    prev = np.concatenate([[-1], q1s[:-1]])
+    prev[first] = -1
+    off = (np.cumsum(first) - 1) * (4 * BIG)  # keeps the running maximum inside each call
+    bad = q0s < np.maximum.accumulate(prev + off) - off
+    for r in np.unique(rank[order][bad]):
+        sel = rank == r
+        level[sel] = _levels(q0[sel], q1[sel], head[sel])
+    return level
 
 
 def _order(cols: list[np.ndarray]) -> np.ndarray:
@@ -145,7 +165,7 @@ def geometry(seg: np.ndarray, owner: np.ndarray, n: int, mask: MaskSpec, *, ring
         packed = np.cumsum(rb - ra) - (rb - ra)
         packed -= packed[np.searchsorted(key, key)] if len(key) else 0
         kp = np.where(u == o, kr, kr - ra[at] + packed[at]) if len(key) else kr
-        area, calls = _price(pair, n * n, q0, sq, kp, sk, left, right)
+        area, calls = _price(pair, n * n, n, q0, sq, kp, sk, left, right)
     area_all, calls_all = np.zeros(n), np.zeros(n, np.int64)
     if gather:  # rank j's block at row j * pad of one buffer, pad = the largest block
         pad = int(np.bincount(owner, weights=length, minlength=n).max()) if len(owner) else 0
@@ -156,7 +176,7 @@ def geometry(seg: np.ndarray, owner: np.ndarray, n: int, mask: MaskSpec, *, ring
         if causal:
             drop, extra = _compress(p, gi, whole=g, pad=pad)
             u, q0, sq, kr, sk, left, right = _swap(drop, extra, (u, None, q0, sq, kr, sk, left, right))
-        area_all, calls_all = _price(u, n, q0, sq, kr, sk, left, right)
+        area_all, calls_all = _price(u, n, 1, q0, sq, kr, sk, left, right)
     return Geometry(area.reshape(n, n), calls.reshape(n, n), need, area_all, calls_all)
 
 
@@ -188,7 +208,7 @@ def _swap(drop, extra, cols):
     return tuple(np.concatenate([c[~drop], x]).astype(np.int64) for c, x in zip(cols, add) if c is not None)
 
 
-def _price(buf, size, q0, sq, k0, sk, left, right) -> tuple[np.ndarray, np.ndarray]:
+def _price(buf, size, per_rank: int, q0, sq, k0, sk, left, right) -> tuple[np.ndarray, np.ndarray]:
     """Tile area and calls per ``buf`` id of entries ``[q0, q0 + sq) x [k0, k0 + sk)`` (rows)
     with flash windows ``(left, right)``, after fusing adjacent fully visible entries as
     ``plan.calls._entries`` does."""
@@ -205,7 +225,7 @@ def _price(buf, size, q0, sq, k0, sk, left, right) -> tuple[np.ndarray, np.ndarr
     buf, q0, q1, k0, k1 = (np.concatenate([x, y[band]]) for x, y in zip(f, (buf, q0, q0 + sq, k0, k0 + sk)))
     left, right = np.concatenate([none, left[band]]), np.concatenate([none, right[band]])
     area = np.bincount(buf, weights=tile_area(q1 - q0, k1 - k0, left, right), minlength=size)
-    return area, _runs([buf, left, right, q0, q1, k0, k1], buf, size)
+    return area, _runs([buf // per_rank, buf, left, right, q0, q1, k0, k1], buf, size)
 
 
 def _compress(p, qi, whole, pad: int):
