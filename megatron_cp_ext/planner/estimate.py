@@ -13,23 +13,30 @@ piece pairs meet at which step and which rows travel, so this module computes th
   :mod:`.cost` (ring steps overlap the previous step's compute, collectives are exposed,
   the slowest rank sets the layer time), vectorised over ranks.
 
-It is an estimate: the exact plans fuse adjacent full blocks and compress a rank's own
-causal pieces into one entry, which changes tile rounding and call counts a little. It
-prices the ``flash`` kernel only (the ``reference`` kernel's padded rectangles depend on
-the exact call grouping; CPU profiles keep the full model). ``tests/L0/test_auto_estimate.py``
-checks on a randomised family that it picks the full model's winner or one within 2% of it.
+The entries are the plans' own (band blocks of piece pairs; fully visible neighbours fused and
+a rank's own causal pieces compressed as :mod:`megatron_cp_ext.plan.calls` does) and
+:mod:`.entry_calls` groups them into varlen calls as the plans do, so on the randomised
+families tried it reproduces the full model's predictions to rounding; it remains an
+estimate by construction (nothing checks it against the plans at run time), and
+``tests/L0/test_auto_estimate.py`` pins that it picks the full model's winner (or one within
+2% of it) and prices every candidate within 5%. It prices the ``flash`` kernel only (the
+``reference`` kernel's padded rectangles need the exact ``cu_seqlens``: CPU profiles keep the
+full model). Cost grows with the (query piece, key piece) pairs of each document: small for
+``workload`` balance, which keeps documents whole; ``dualchunk`` cuts every document into
+``2 cp`` pieces, so its pairs grow as ``cp^2`` per document.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ..geometry import BIG, bounds, tile_area
+from ..geometry import BIG, bounds
 from ..masks import MaskSpec
-from ..plan.calls import MAX_SLICE_CALLS, Layout, _join, _levels, _pieces, merge_ranges
+from ..plan.calls import Layout, _join, _pieces, merge_ranges
 from ..schedules.heads import split_heads
 from ..sharding import CPSharding
 from .cost import PHASES
+from .entry_calls import price_entries, starts
 from .profiles import HardwareProfile
 
 __all__ = ["Geometry", "geometry", "estimate_times"]
@@ -43,90 +50,6 @@ class Geometry:
     def __init__(self, area, calls, need, area_all, calls_all) -> None:
         self.area, self.calls, self.need = area, calls, need
         self.area_all, self.calls_all = area_all, calls_all
-
-
-def _runs(keys: list[np.ndarray], out: np.ndarray, size: int) -> np.ndarray:
-    """Per ``out`` id, the calls of entries grouped by ``keys`` (the last four: ``q0, q1, k0,
-    k1`` rows), as :func:`~megatron_cp_ext.plan.calls.plan_steps` splits them: entries over the
-    same query rows go to separate calls (``plan.calls._levels``); a level whose entries form at most
-    ``MAX_SLICE_CALLS`` runs of consecutive rows is that many slice calls, else one gather."""
-    if not len(out):
-        return np.zeros(size, np.int64)
-    *group, q0, q1, k0, k1 = keys
-    order = _order([*group, q0, k0])
-    group, q0, q1, k0, k1, out = [g[order] for g in group], q0[order], q1[order], k0[order], k1[order], out[order]
-    level = _rank_levels(group[0], q0, q1, _starts(group))
-    order = _order([*group, level, q0, k0])
-    group, q0, q1, k0, k1, out, level = ([g[order] for g in group], q0[order], q1[order], k0[order], k1[order],
-                                         out[order], level[order])  # fmt: skip
-    head = _starts([*group, level])
-    brk = head.copy()
-    brk[1:] |= (q0[1:] != q1[:-1]) | (k0[1:] != k1[:-1])
-    first = np.nonzero(head)[0]
-    runs = np.add.reduceat(brk, first)
-    calls = np.where(runs <= MAX_SLICE_CALLS, runs, 1)
-    return np.bincount(out[first], weights=calls, minlength=size).astype(np.int64)
-
-
-def _rank_levels(rank: np.ndarray, q0: np.ndarray, q1: np.ndarray, head: np.ndarray) -> np.ndarray:
-    """``plan.calls._levels`` of every rank's entries (sorted by ``rank``, group, query start;
-    ``head``: group starts) as if computed rank by rank: entries over the very same query rows
-    take one level each, unless that leaves overlaps in a rank, which then gets the general
-    interval partitioning."""
-    gid = np.cumsum(head) - 1
-    idx = np.arange(len(q0))
-    level = idx - np.maximum.accumulate(np.where(_starts([gid, q0, q1]), idx, 0))
-    order = np.lexsort((q0, level, gid))
-    q0s, q1s, first = q0[order], q1[order], _starts([gid[order], level[order]])
-    prev = np.concatenate([[-1], q1s[:-1]])
-    prev[first] = -1
-    off = (np.cumsum(first) - 1) * (4 * BIG)  # keeps the running maximum inside each call
-    bad = q0s < np.maximum.accumulate(prev + off) - off
-    for r in np.unique(rank[order][bad]):
-        sel = rank == r
-        level[sel] = _levels(q0[sel], q1[sel], head[sel])
-    return level
-
-
-def _order(cols: list[np.ndarray]) -> np.ndarray:
-    """``np.lexsort`` by ``cols`` (most significant first) with neighbouring columns packed
-    into one int64 key while their value ranges fit (fewer, faster sort passes)."""
-    keys, cur, span = [], None, 1
-    for c in cols:
-        lo = int(c.min())
-        r = int(c.max()) - lo + 1
-        c = c - lo
-        if cur is not None and span * r < 1 << 62:
-            cur, span = cur * r + c, span * r
-        else:
-            if cur is not None:
-                keys.append(cur)
-            cur, span = c, r
-    keys.append(cur)
-    return np.lexsort(keys[::-1]) if len(keys) > 1 else np.argsort(keys[0], kind="stable")
-
-
-def _fuse_rows(buf, q0, q1, k0, k1, by_q: bool):
-    """``plan.calls._fuse`` (fully visible entries with the same rows on one side and
-    adjacent rows on the other become one) with packed sort keys."""
-    a0, a1, b0, b1 = (q0, q1, k0, k1) if by_q else (k0, k1, q0, q1)
-    order = _order([buf, a0, a1, b0])
-    buf, a0, a1, b0, b1 = buf[order], a0[order], a1[order], b0[order], b1[order]
-    head = _starts([buf, a0, a1])
-    head[1:] |= b0[1:] != b1[:-1]
-    first = np.nonzero(head)[0]
-    last = np.append(first[1:], len(buf)) - 1
-    out = buf[first], a0[first], a1[first], b0[first], b1[last]
-    return out if by_q else (out[0], out[3], out[4], out[1], out[2])
-
-
-def _starts(cols: list[np.ndarray]) -> np.ndarray:
-    """Start flags of runs of equal rows of ``cols`` (sorted)."""
-    flag = np.zeros(len(cols[0]), bool)
-    flag[0] = True
-    for c in cols:
-        flag[1:] |= c[1:] != c[:-1]
-    return flag
 
 
 def geometry(seg: np.ndarray, owner: np.ndarray, n: int, mask: MaskSpec, *, ring=True, gather=True) -> Geometry:
@@ -165,7 +88,7 @@ def geometry(seg: np.ndarray, owner: np.ndarray, n: int, mask: MaskSpec, *, ring
         packed = np.cumsum(rb - ra) - (rb - ra)
         packed -= packed[np.searchsorted(key, key)] if len(key) else 0
         kp = np.where(u == o, kr, kr - ra[at] + packed[at]) if len(key) else kr
-        area, calls = _price(pair, n * n, n, q0, sq, kp, sk, left, right)
+        area, calls = price_entries(pair, n * n, n, q0, sq, kp, sk, left, right)
     area_all, calls_all = np.zeros(n), np.zeros(n, np.int64)
     if gather:  # rank j's block at row j * pad of one buffer, pad = the largest block
         pad = int(np.bincount(owner, weights=length, minlength=n).max()) if len(owner) else 0
@@ -176,7 +99,7 @@ def geometry(seg: np.ndarray, owner: np.ndarray, n: int, mask: MaskSpec, *, ring
         if causal:
             drop, extra = _compress(p, gi, whole=g, pad=pad)
             u, q0, sq, kr, sk, left, right = _swap(drop, extra, (u, None, q0, sq, kr, sk, left, right))
-        area_all, calls_all = _price(u, n, 1, q0, sq, kr, sk, left, right)
+        area_all, calls_all = price_entries(u, n, 1, q0, sq, kr, sk, left, right)
     return Geometry(area.reshape(n, n), calls.reshape(n, n), need, area_all, calls_all)
 
 
@@ -208,26 +131,6 @@ def _swap(drop, extra, cols):
     return tuple(np.concatenate([c[~drop], x]).astype(np.int64) for c, x in zip(cols, add) if c is not None)
 
 
-def _price(buf, size, per_rank: int, q0, sq, k0, sk, left, right) -> tuple[np.ndarray, np.ndarray]:
-    """Tile area and calls per ``buf`` id of entries ``[q0, q0 + sq) x [k0, k0 + sk)`` (rows)
-    with flash windows ``(left, right)``, after fusing adjacent fully visible entries as
-    ``plan.calls._entries`` does."""
-    full = (left < 0) & (right < 0)
-    f = [x[full] for x in (buf, q0, q0 + sq, k0, k0 + sk)]
-    for _ in range(3 if len(f[0]) else 0):
-        m = len(f[0])
-        f = list(_fuse_rows(*f, by_q=True))
-        f = list(_fuse_rows(*f, by_q=False))
-        if len(f[0]) == m:
-            break
-    band = ~full
-    none = np.full(len(f[0]), -1)
-    buf, q0, q1, k0, k1 = (np.concatenate([x, y[band]]) for x, y in zip(f, (buf, q0, q0 + sq, k0, k0 + sk)))
-    left, right = np.concatenate([none, left[band]]), np.concatenate([none, right[band]])
-    area = np.bincount(buf, weights=tile_area(q1 - q0, k1 - k0, left, right), minlength=size)
-    return area, _runs([buf // per_rank, buf, left, right, q0, q1, k0, k1], buf, size)
-
-
 def _compress(p, qi, whole, pad: int):
     """``plan.calls._compressed``: a participant's >= 2 query pieces of one unit (at
     consecutive rows in position order) against the very same key pieces become one causal
@@ -236,7 +139,7 @@ def _compress(p, qi, whole, pad: int):
     lie wholly on the participant, at row ``owner * pad`` + its own row); None: the own block."""
     order = np.lexsort((p.start, p.unit, p.buf))
     buf, unit, start, end, row = p.buf[order], p.unit[order], p.start[order], p.end[order], p.row[order]
-    head = _starts([buf, unit])
+    head = starts([buf, unit])
     cont = head.copy()
     cont[1:] |= row[1:] == row[:-1] + end[:-1] - start[:-1]
     first = np.nonzero(head)[0]
