@@ -7,6 +7,11 @@ a data-loader worker can call :func:`choose_comm_type` ahead of the step and the
 process finds the answer. The profile is :func:`set_auto_profile`'s, else the
 ``MCX_PLAN_PROFILE`` environment variable (a name or a file; set it identically on every
 rank), else ``h100-nvlink-ib400`` on CUDA and ``cpu-gloo`` on CPU.
+
+Pricing: with a ``flash`` profile the candidates are priced together from one shared geometry
+(:mod:`.estimate`: milliseconds at 128K tokens on 16 ranks, where building every rank's plan
+for every candidate took about half a second); with the ``reference`` kernel (CPU), or
+``exact=True``, from every rank's exact plan (:func:`inspect_plan` and :func:`.cost.predict`).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from ..inspect import inspect_plan
 from ..masks import MaskSpec
 from ..sharding import CPSharding
 from .cost import predict
+from .estimate import estimate_times
 from .profiles import HardwareProfile, load_profile
 
 __all__ = ["choose_comm_type", "set_auto_profile", "auto_profile", "resolve"]
@@ -65,16 +71,31 @@ def choose_comm_type(
     dtype: torch.dtype,
     profile: HardwareProfile,
     backward: bool = True,
+    exact: bool = False,
 ) -> tuple[str, dict[str, float]]:
     """The candidate with the lowest predicted layer time (forward, plus backward if
-    ``backward``; ties go to the earlier candidate) and every candidate's predicted seconds."""
-    key = ("auto", mask, candidates, a2a_size, num_heads, num_kv_heads, head_dim, v_head_dim, dtype, profile, backward)
+    ``backward``; ties go to the earlier candidate) and every candidate's predicted seconds.
+
+    ``exact``: price every rank's exact plan even with a ``flash`` profile (the shared-geometry
+    estimate's reference; about 30x slower)."""
+    exact = exact or profile.kernel != "flash" or sharding.cp_size == 1
+    key = (
+        "auto", mask, candidates, a2a_size, num_heads, num_kv_heads, head_dim, v_head_dim, dtype, profile, backward,
+        exact,
+    )  # fmt: skip
     hit = _choices(sharding).get(key)
     if hit is not None:
         LAST[0] = hit
         return hit
     times: dict[str, float] = {}
-    for ct in candidates:
+    if not exact:
+        est = estimate_times(
+            sharding, mask, candidates, a2a_size=a2a_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
+            head_dim=head_dim, v_head_dim=v_head_dim, element_size=torch.empty(0, dtype=dtype).element_size(),
+            profile=profile,
+        )  # fmt: skip
+        times = {ct: est[ct]["forward"] + (est[ct]["backward"] if backward else 0.0) for ct in candidates}
+    for ct in candidates if exact else ():
         rep = inspect_plan(
             sharding, ct, causal=mask.causal, window_size=(mask.left, mask.right), chunk_size=mask.chunk,
             a2a_size=a2a_size if ct == "a2a+p2p" else None, num_heads=num_heads, num_kv_heads=num_kv_heads,

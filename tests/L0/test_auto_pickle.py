@@ -24,4 +24,5 @@ def test_choice_survives_pickling(monkeypatch):
         raise AssertionError("the unpickled sharding priced the candidates again")
 
     monkeypatch.setattr(auto, "inspect_plan", no_pricing)
+    monkeypatch.setattr(auto, "estimate_times", no_pricing)
     assert auto.choose_comm_type(copy, mask, **kw) == made

@@ -1,0 +1,118 @@
+"""Host time of ``comm_type="auto"`` per micro-batch, and host CPU time per layer of ``p2p``.
+
+1. ``auto``: CPU ms (``time.process_time``: numpy runs single-threaded here, so on an idle host
+   this is the wall time, and it does not count other processes' load) of one
+   ``choose_comm_type`` (cache cleared) on lognormal batches
+   (``megatron_cp_ext.batches.lognormal``), median and worst over seeds and masks (causal,
+   window 4096, chunk 8192), all four candidates (a2a+p2p with a2a groups of 2). Every rank pays
+   this once per micro-batch. ``--full`` also times the full model (every rank's exact plan per
+   candidate: the path before the shared-geometry estimate) and counts how often the two pick
+   the same comm type; sizes above ``--full-max`` tokens skip it (it takes minutes there).
+2. host ms per layer: ``p2p`` forward + backward with the plan cached, all ranks as threads
+   of one process (:func:`~megatron_cp_ext.testing.inproc.run_threads`) with the flash-shaped
+   stub kernels and tiny head shapes, so each rank's thread CPU time (``time.thread_time``) is
+   the Python, dispatch and communication-call work a GPU step pays around its kernels.
+
+    python benchmarks/host_time.py                      # estimate only
+    python benchmarks/host_time.py --full --seeds 3     # before/after
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+import megatron_cp_ext as mcx
+from megatron_cp_ext import batches
+from megatron_cp_ext.masks import MaskSpec
+from megatron_cp_ext.planner import auto
+from megatron_cp_ext.planner.profiles import load_profile
+from megatron_cp_ext.testing.accounting import flash_stub
+from megatron_cp_ext.testing.inproc import run_threads
+
+SIZES = ((16, 1 << 17), (8, 1 << 17), (32, 1 << 17), (64, 1 << 20))
+MASKS = {"causal": {}, "window4096": dict(window_size=(4096, 0)), "chunk8192": dict(chunk_size=8192)}
+CANDIDATES = ("a2a+p2p", "p2p", "all_gather", "a2a")
+
+
+def _choose(sharding, mask, exact: bool) -> tuple[str, float]:
+    sharding.__dict__.pop("_auto_choices", None)
+    t0 = time.process_time()
+    best, _ = auto.choose_comm_type(
+        sharding, mask, candidates=CANDIDATES, a2a_size=2, num_heads=32, num_kv_heads=8, head_dim=128,
+        v_head_dim=128, dtype=torch.bfloat16, profile=load_profile("h100-nvlink-ib400"), exact=exact,
+    )  # fmt: skip
+    return best, (time.process_time() - t0) * 1e3
+
+
+def auto_table(args) -> None:
+    print(f"auto per micro-batch (CPU ms; median / worst over {args.seeds} seeds x {len(MASKS)} masks; "
+          f"balance {args.balance})")  # fmt: skip
+    warm = mcx.shard_sequences(batches.cu_seqlens(batches.lognormal(1 << 14, seed=99)), 8, balance=args.balance)
+    _choose(warm, MaskSpec.make(causal=True), exact=False)  # steady state: imports and first calls done
+    print("| cp | tokens | estimate | full model | same choice |")
+    print("|---|---|---|---|---|")
+    for cp, tokens in SIZES:
+        est, full, same, n = [], [], 0, 0
+        for seed in range(args.seeds):
+            cu = batches.cu_seqlens(batches.lognormal(tokens, seed=100 + seed))
+            sharding = mcx.shard_sequences(cu, cp, balance=args.balance)
+            for kw in MASKS.values():
+                mask = MaskSpec.make(causal=True, **kw)
+                best, ms = _choose(sharding, mask, exact=False)
+                est.append(ms)
+                if args.full and tokens <= args.full_max:
+                    want, ms_full = _choose(sharding, mask, exact=True)
+                    full.append(ms_full)
+                    same, n = same + (best == want), n + 1
+        cell = lambda xs: f"{statistics.median(xs):.1f} / {max(xs):.1f}" if xs else "-"  # noqa: E731
+        print(f"| {cp} | {tokens} | {cell(est)} | {cell(full)} | {f'{same}/{n}' if n else '-'} |")
+
+
+def _host_worker(rank: int, world: int, iters: int) -> float:
+    cu = [0, 204, 306, 382, 433, 458, 484, 512]
+    sharding = mcx.shard_sequences(cu, world, balance="dualchunk")
+    t = sharding.num_tokens(rank)
+    g = torch.Generator().manual_seed(rank)
+    q, dout = (torch.randn(t, 2, 8, generator=g) for _ in range(2))
+    k, v = (torch.randn(t, 1, 8, generator=g) for _ in range(2))
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    call = dict(cp_group=dist.group.WORLD, comm_type="p2p", sharding=sharding)
+    for _ in range(3):  # plan built and cached, agreement done
+        mcx.cp_attention(q, k, v, **call).backward(dout)
+    times = []
+    for _ in range(iters):
+        dist.barrier()
+        t0 = time.thread_time()
+        mcx.cp_attention(q, k, v, **call).backward(dout)
+        times.append(time.thread_time() - t0)
+    return statistics.median(times) * 1e3
+
+
+def host_table(args) -> None:
+    with flash_stub():
+        per_rank = run_threads(8, _host_worker, args.iters)
+    print("\nhost CPU ms per layer (p2p, cp 8, 512 tokens, fwd + bwd, plan cached, stub kernels)")
+    print(f"| median rank | worst rank |\n|---|---|\n| {statistics.median(per_rank):.2f} | {max(per_rank):.2f} |")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--balance", default="workload", choices=["workload", "dualchunk", "contiguous"])
+    p.add_argument("--full", action="store_true", help="also time the full model (before)")
+    p.add_argument("--full-max", type=int, default=1 << 17, help="largest batch the full model is timed on")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--skip-host", action="store_true")
+    args = p.parse_args()
+    auto_table(args)
+    if not args.skip_host:
+        host_table(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""Varlen calls and tile area of many entries at once, as ``plan.calls.plan_steps`` groups them.
+
+The pricing half of :mod:`.estimate`: given the band entries of many (rank, buffer) pairs as
+arrays, it fuses fully visible neighbours, assigns levels and splits slice runs exactly as the
+plans do, vectorised over all pairs (one sort per pass instead of one plan per rank).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..geometry import BIG, tile_area
+from ..plan.calls import MAX_SLICE_CALLS, _levels
+
+__all__ = ["price_entries", "starts"]
+
+
+def price_entries(buf, size, per_rank: int, q0, sq, k0, sk, left, right) -> tuple[np.ndarray, np.ndarray]:
+    """Tile area and calls per ``buf`` id of entries ``[q0, q0 + sq) x [k0, k0 + sk)`` (rows)
+    with flash windows ``(left, right)``, after fusing adjacent fully visible entries as
+    ``plan.calls._entries`` does."""
+    full = (left < 0) & (right < 0)
+    f = [x[full] for x in (buf, q0, q0 + sq, k0, k0 + sk)]
+    for _ in range(3 if len(f[0]) else 0):
+        m = len(f[0])
+        f = list(_fuse_rows(*f, by_q=True))
+        f = list(_fuse_rows(*f, by_q=False))
+        if len(f[0]) == m:
+            break
+    band = ~full
+    none = np.full(len(f[0]), -1)
+    buf, q0, q1, k0, k1 = (np.concatenate([x, y[band]]) for x, y in zip(f, (buf, q0, q0 + sq, k0, k0 + sk)))
+    left, right = np.concatenate([none, left[band]]), np.concatenate([none, right[band]])
+    area = np.bincount(buf, weights=tile_area(q1 - q0, k1 - k0, left, right), minlength=size)
+    return area, _runs([buf // per_rank, buf, left, right, q0, q1, k0, k1], buf, size)
+
+
+def _runs(keys: list[np.ndarray], out: np.ndarray, size: int) -> np.ndarray:
+    """Per ``out`` id, the calls of entries grouped by ``keys`` (the last four: ``q0, q1, k0,
+    k1`` rows), as :func:`~megatron_cp_ext.plan.calls.plan_steps` splits them: entries over the
+    same query rows go to separate calls (``plan.calls._levels``); a level whose entries form at most
+    ``MAX_SLICE_CALLS`` runs of consecutive rows is that many slice calls, else one gather."""
+    if not len(out):
+        return np.zeros(size, np.int64)
+    *group, q0, q1, k0, k1 = keys
+    order = _order([*group, q0, k0])
+    group, q0, q1, k0, k1, out = [g[order] for g in group], q0[order], q1[order], k0[order], k1[order], out[order]
+    level = _rank_levels(group[0], q0, q1, starts(group))
+    order = _order([*group, level, q0, k0])
+    group, q0, q1, k0, k1, out, level = ([g[order] for g in group], q0[order], q1[order], k0[order], k1[order],
+                                         out[order], level[order])  # fmt: skip
+    head = starts([*group, level])
+    brk = head.copy()
+    brk[1:] |= (q0[1:] != q1[:-1]) | (k0[1:] != k1[:-1])
+    first = np.nonzero(head)[0]
+    runs = np.add.reduceat(brk, first)
+    calls = np.where(runs <= MAX_SLICE_CALLS, runs, 1)
+    return np.bincount(out[first], weights=calls, minlength=size).astype(np.int64)
+
+
+def _rank_levels(rank: np.ndarray, q0: np.ndarray, q1: np.ndarray, head: np.ndarray) -> np.ndarray:
+    """``plan.calls._levels`` of every rank's entries (sorted by ``rank``, group, query start;
+    ``head``: group starts) as if computed rank by rank: entries over the very same query rows
+    take one level each, unless that leaves overlaps in a rank, which then gets the general
+    interval partitioning."""
+    gid = np.cumsum(head) - 1
+    idx = np.arange(len(q0))
+    level = idx - np.maximum.accumulate(np.where(starts([gid, q0, q1]), idx, 0))
+    order = np.lexsort((q0, level, gid))
+    q0s, q1s, first = q0[order], q1[order], starts([gid[order], level[order]])
+    prev = np.concatenate([[-1], q1s[:-1]])
+    prev[first] = -1
+    off = (np.cumsum(first) - 1) * (4 * BIG)  # keeps the running maximum inside each call
+    bad = q0s < np.maximum.accumulate(prev + off) - off
+    for r in np.unique(rank[order][bad]):
+        sel = rank == r
+        level[sel] = _levels(q0[sel], q1[sel], head[sel])
+    return level
+
+
+def _order(cols: list[np.ndarray]) -> np.ndarray:
+    """``np.lexsort`` by ``cols`` (most significant first) with neighbouring columns packed
+    into one int64 key while their value ranges fit (fewer, faster sort passes)."""
+    keys, cur, span = [], None, 1
+    for c in cols:
+        lo = int(c.min())
+        r = int(c.max()) - lo + 1
+        c = c - lo
+        if cur is not None and span * r < 1 << 62:
+            cur, span = cur * r + c, span * r
+        else:
+            if cur is not None:
+                keys.append(cur)
+            cur, span = c, r
+    keys.append(cur)
+    return np.lexsort(keys[::-1]) if len(keys) > 1 else np.argsort(keys[0], kind="stable")
+
+
+def _fuse_rows(buf, q0, q1, k0, k1, by_q: bool):
+    """``plan.calls._fuse`` (fully visible entries with the same rows on one side and
+    adjacent rows on the other become one) with packed sort keys."""
+    a0, a1, b0, b1 = (q0, q1, k0, k1) if by_q else (k0, k1, q0, q1)
+    order = _order([buf, a0, a1, b0])
+    buf, a0, a1, b0, b1 = buf[order], a0[order], a1[order], b0[order], b1[order]
+    head = starts([buf, a0, a1])
+    head[1:] |= b0[1:] != b1[:-1]
+    first = np.nonzero(head)[0]
+    last = np.append(first[1:], len(buf)) - 1
+    out = buf[first], a0[first], a1[first], b0[first], b1[last]
+    return out if by_q else (out[0], out[3], out[4], out[1], out[2])
+
+
+def starts(cols: list[np.ndarray]) -> np.ndarray:
+    """Start flags of runs of equal rows of ``cols`` (sorted)."""
+    flag = np.zeros(len(cols[0]), bool)
+    flag[0] = True
+    for c in cols:
+        flag[1:] |= c[1:] != c[:-1]
+    return flag

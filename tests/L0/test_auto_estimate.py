@@ -1,0 +1,45 @@
+"""``comm_type="auto"``'s shared-geometry estimate against the full cost model (every rank's
+exact plan through ``inspect_plan`` + ``predict``) on a randomised family of batches, masks,
+shardings and profiles: it picks the full model's winner, or one whose full-model time is
+within 2% of the winner's, and prices every candidate within a few percent."""
+
+import numpy as np
+import pytest
+import torch
+
+import megatron_cp_ext as mcx
+from megatron_cp_ext import batches
+from megatron_cp_ext.masks import MaskSpec
+from megatron_cp_ext.planner import auto
+from megatron_cp_ext.planner.profiles import load_profile
+
+CANDIDATES = ("a2a+p2p", "p2p", "all_gather", "a2a")
+MASKS = [dict(causal=True), dict(causal=False), dict(causal=True, window_size=(700, 0)),
+         dict(causal=True, chunk_size=1024), dict(causal=False, window_size=(300, 200))]  # fmt: skip
+PROFILES = [{}, dict(launch_us=200.0), dict(intra_gbps=5.0, inter_gbps=1.0, ranks_per_node=2), dict(fwd_tflops=5.0)]
+
+
+def _family(seed: int):
+    rng = np.random.default_rng(seed)
+    cp = int(rng.choice([2, 4, 8]))
+    lens = batches.lognormal(int(rng.integers(2000, 8000)), median=int(rng.choice([200, 800, 3000])), seed=seed)
+    balance = str(rng.choice(["workload", "dualchunk", "contiguous"]))
+    mask = MASKS[seed % len(MASKS)]
+    sharding = mcx.shard_sequences(batches.cu_seqlens(lens), cp, balance=balance, **mask)
+    prof = load_profile("h100-nvlink-ib400", **PROFILES[int(rng.integers(len(PROFILES)))])
+    hq, hkv = [(8, 2), (4, 4), (6, 3), (2, 1)][int(rng.integers(4))]
+    kw = dict(
+        candidates=CANDIDATES, a2a_size=2, num_heads=hq, num_kv_heads=hkv, head_dim=64, v_head_dim=64,
+        dtype=torch.bfloat16, profile=prof,
+    )  # fmt: skip
+    return sharding, MaskSpec.make(**mask), kw
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_estimate_agrees_with_full_model(seed):
+    sharding, mask, kw = _family(seed)
+    best, est = auto.choose_comm_type(sharding, mask, **kw)
+    want, full = auto.choose_comm_type(sharding, mask, exact=True, **kw)
+    assert full[best] <= 1.02 * full[want], (best, want, est, full)
+    err = {ct: est[ct] / full[ct] - 1 for ct in CANDIDATES}
+    assert all(abs(e) < 0.05 for e in err.values()), err
