@@ -77,29 +77,37 @@ def test_inductor_default_mode():
         assert frames[-1] == frames[0], frames
 
 
-def _call_prepared(q, k, v, prepared):
-    return prepared(q, k, v)
+def _call_all(cases):
+    return [prepared(q, k, v) for prepared, (q, k, v) in cases]
 
 
 def _fullgraph_worker(rank, world):
-    """Per case: (fullgraph?, max |prepared call - cp_attention eager| over out and grads);
-    the prepared call compiled with ``fullgraph=True`` where it claims to trace whole."""
+    """Per case: (fullgraph?, max |prepared call - cp_attention eager| over out and grads).
+    The prepared calls that claim to trace whole are compiled together as one
+    ``fullgraph=True`` function (one compile: CPU compile time is what the test costs)."""
     torch.manual_seed(0)
     x_all = torch.randn(24, 3, H, D, dtype=torch.float64)
-    res = {}
+    kws, cases = {}, {}
     for comm, cp in (("cp1", 1), ("all_gather", world), ("a2a", world), ("p2p", world)):
         sharding = mcx.shard_sequences([0, 9, 24], cp, balance="dualchunk")
         group = dist.group.WORLD if cp > 1 else None
-        kw = dict(cp_group=group, comm_type="p2p" if comm == "cp1" else comm, sharding=sharding)
-        q, k, v = (t.requires_grad_() for t in sharding.shard(x_all, rank if cp > 1 else 0).clone().unbind(1))
-        prepared = mcx.plan_cp_attention(q, k, v, **kw)
-        call = _call_prepared  # p2p: runs its ring eagerly (one graph break), not compiled here
-        if prepared.fullgraph:
-            call = torch.compile(_call_prepared, backend="aot_eager", fullgraph=True)
-        outs = []
-        for o in (mcx.cp_attention(q, k, v, **kw), call(q, k, v, prepared)):
-            outs.append((o.detach(), *torch.autograd.grad(o.square().sum(), (q, k, v))))
-        res[comm] = (prepared.fullgraph, max(float((a - b).abs().max()) for a, b in zip(*outs)))
+        kws[comm] = dict(cp_group=group, comm_type="p2p" if comm == "cp1" else comm, sharding=sharding)
+        qkv = tuple(t.requires_grad_() for t in sharding.shard(x_all, rank if cp > 1 else 0).clone().unbind(1))
+        cases[comm] = (mcx.plan_cp_attention(*qkv, **kws[comm]), qkv)
+    full = [c for c in cases if cases[c][0].fullgraph]
+    compiled = torch.compile(_call_all, backend="aot_eager", fullgraph=True)
+    runs = {"eager": [mcx.cp_attention(*cases[c][1], **kws[c]) for c in cases]}
+    runs["prepared"] = compiled([cases[c] for c in full]) + _call_all([cases["p2p"]])  # p2p: one graph break
+    got = {}
+    for name, outs in runs.items():  # one backward per run (the compiled graph has one)
+        order = list(cases) if name == "eager" else [*full, "p2p"]
+        inputs = [x for c in order for x in cases[c][1]]
+        grads = torch.autograd.grad(sum(o.square().sum() for o in outs), inputs)
+        got[name] = {c: (outs[i].detach(), *grads[3 * i : 3 * i + 3]) for i, c in enumerate(order)}
+    res = {}
+    for comm, (prepared, _) in cases.items():
+        pairs = zip(got["eager"][comm], got["prepared"][comm])
+        res[comm] = (prepared.fullgraph, max(float((a - b).abs().max()) for a, b in pairs))
     return res
 
 
