@@ -2,7 +2,8 @@
 
 Public API (design §1): :func:`shard_sequences` -> :class:`CPSharding` (shard/unshard, plan
 cache), :func:`cp_attention` for the ``p2p``, ``all_gather``, ``a2a`` and ``a2a+p2p`` comm
-types over thd, bshd and sbhd layouts, and :func:`inspect_plan`, the exact account of a plan.
+types over thd, bshd and sbhd layouts, :func:`plan_cp_attention` (its host side done ahead,
+for ``torch.compile(fullgraph=True)``), and :func:`inspect_plan`, the exact account of a plan.
 Bad input raises :class:`CPArgumentError` (a ``ValueError``), the same on every CP rank
 (``docs/reliability.md``).
 """
@@ -13,12 +14,15 @@ from .groups import HierarchicalCPGroups, hierarchical_cp_groups
 from .inspect import CallReport, PlanReport, RankReport, inspect_plan
 from .mask_names import mask_flags as mask_flags
 from .masks import MaskSpec
+from .prepared import PreparedCPAttention, plan_cp_attention
 from .sharding import BALANCES, CPSharding, Segment, rank_counts, shard_sequences
 from .te_layout import te_thd_sharding
 from .validation import CPArgumentError, CPArgumentTypeError, CPRankMismatchError
 
 __all__ = [
     "cp_attention",
+    "plan_cp_attention",
+    "PreparedCPAttention",
     "inspect_plan",
     "PlanReport",
     "RankReport",

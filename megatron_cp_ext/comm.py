@@ -13,6 +13,7 @@ import weakref
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 from . import inflight
 
@@ -102,6 +103,8 @@ def all_gather_padded(x: torch.Tensor, pad_rows: int, group: dist.ProcessGroup) 
 
 def reduce_scatter_padded(full: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Inverse of :func:`all_gather_padded` for gradients: sum over ranks, keep own block."""
+    if torch.compiler.is_compiling():  # list-form reduce_scatter does not trace: the functional one
+        return funcol.reduce_scatter_tensor(full.contiguous(), "sum", 0, group)
     size = dist.get_world_size(group)
     chunks = list(full.chunk(size))
     out = torch.empty_like(chunks[0])

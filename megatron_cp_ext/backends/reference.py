@@ -79,10 +79,11 @@ def visited_area(cu_seqlens_q: list[int], cu_seqlens_k: list[int]) -> int:
 def _entry_groups(cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, max_k: int) -> list[_Group]:
     """Runs of consecutive entries sharing one padded batch (:func:`_group_bounds`).
 
-    Needs host offsets: on CUDA (debug fallback) the call is one group padded to the plan's
-    ``max_seqlen`` (host ints), so nothing reads a device value.
+    Needs host offsets: on CUDA (debug fallback), and while dynamo traces the call
+    (``fullgraph``: the offsets are graph inputs, their values unknown), the call is one group
+    padded to the plan's ``max_seqlen`` (host ints), so nothing reads a tensor's value.
     """
-    if cu_q.device.type != "cpu":
+    if cu_q.device.type != "cpu" or torch.compiler.is_compiling():
         return [_Group(0, None, 0, None, cu_q.long(), cu_k.long(), max_q, max_k)]
     cq, ck = cu_q.tolist(), cu_k.tolist()
     return [_group(cq, ck, a, b, wq, wk) for a, b, wq, wk in _group_bounds(cq, ck)]

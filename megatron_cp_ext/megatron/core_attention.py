@@ -267,9 +267,11 @@ class CPCoreAttention(MegatronModule):
             self._sp_checked = ctx.sharding
         return ctx
 
+    @torch.compiler.disable(reason="host side: the micro-batch's sharding and its checks")
     def local_positions(self, packed_seq_params: PackedSeqParams, s_local: int, device) -> torch.Tensor:
         """Position in its sequence of each of this rank's ``s_local`` THD tokens (for RoPE),
-        after checking that the batch was split the way the micro-batch's sharding says."""
+        after checking that the batch was split the way the micro-batch's sharding says.
+        Not traced by dynamo (one graph break): the token dim of the result is dynamic."""
         ctx = self.batch_context(packed_seq_params)
         positions = ctx.positions(device)
         if positions.shape[0] != s_local:
@@ -279,6 +281,7 @@ class CPCoreAttention(MegatronModule):
                 "from the layout the attention uses. Split it with shard_batch_for_cp (its packed_seq_params carry "
                 "the split), or set cu_seqlens_q_padded when it was split by TransformerEngine's THD split"
             )
+        torch._dynamo.maybe_mark_dynamic(positions, 0)  # no recompile for the next micro-batch's count
         return positions
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
@@ -323,14 +326,19 @@ class CPCoreAttention(MegatronModule):
             **self._engine_kwargs,
         )
         if thd:
-            ctx = self.batch_context(packed_seq_params)
-            out = self._attend(query, key, value, qkv_format="thd", sharding=ctx.sharding, **kwargs)
+            out = self._attend(query, key, value, packed_seq_params, qkv_format="thd", **kwargs)
             return out.reshape(out.shape[0], -1)
-        out = self._attend(query, key, value, qkv_format="sbhd", **kwargs)
+        out = self._attend(query, key, value, None, qkv_format="sbhd", **kwargs)
         return out.reshape(out.shape[0], out.shape[1], -1)
 
-    def _attend(self, query, key, value, **kwargs: Any) -> torch.Tensor:
-        """``cp_attention``, recording the max logits when Megatron asks for them."""
+    @torch.compiler.disable(reason="host side: the micro-batch's sharding, cp_attention, the max-logit record")
+    def _attend(self, query, key, value, packed_seq_params: PackedSeqParams | None, **kwargs: Any) -> torch.Tensor:
+        """``cp_attention`` (on the micro-batch's sharding for thd), recording the max logits
+        when Megatron asks for them. Excluded from dynamo as one unit: under ``torch.compile``
+        the layer has one graph break here (and one in :meth:`local_positions`), and the
+        per-micro-batch Python objects never reach a guard (``docs/compile.md``)."""
+        if packed_seq_params is not None:
+            kwargs["sharding"] = self.batch_context(packed_seq_params).sharding
         if not self._max_logits:
             return cp_attention(query, key, value, **kwargs)
         out, max_logit = cp_attention(query, key, value, return_max_logit=True, **kwargs)

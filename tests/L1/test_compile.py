@@ -75,3 +75,46 @@ def test_inductor_default_mode():
     for frames, errors in res:
         assert max(errors) < 1e-10, errors
         assert frames[-1] == frames[0], frames
+
+
+def _call_all(cases):
+    return [prepared(q, k, v) for prepared, (q, k, v) in cases]
+
+
+def _fullgraph_worker(rank, world):
+    """Per case: (fullgraph?, max |prepared call - cp_attention eager| over out and grads).
+    The prepared calls that claim to trace whole are compiled together as one
+    ``fullgraph=True`` function (one compile: CPU compile time is what the test costs)."""
+    torch.manual_seed(0)
+    x_all = torch.randn(24, 3, H, D, dtype=torch.float64)
+    kws, cases = {}, {}
+    for comm, cp in (("cp1", 1), ("all_gather", world), ("a2a", world), ("p2p", world)):
+        sharding = mcx.shard_sequences([0, 9, 24], cp, balance="dualchunk")
+        group = dist.group.WORLD if cp > 1 else None
+        kws[comm] = dict(cp_group=group, comm_type="p2p" if comm == "cp1" else comm, sharding=sharding)
+        qkv = tuple(t.requires_grad_() for t in sharding.shard(x_all, rank if cp > 1 else 0).clone().unbind(1))
+        cases[comm] = (mcx.plan_cp_attention(*qkv, **kws[comm]), qkv)
+    full = [c for c in cases if cases[c][0].fullgraph]
+    compiled = torch.compile(_call_all, backend="aot_eager", fullgraph=True)
+    runs = {"eager": [mcx.cp_attention(*cases[c][1], **kws[c]) for c in cases]}
+    runs["prepared"] = compiled([cases[c] for c in full]) + _call_all([cases["p2p"]])  # p2p: one graph break
+    got = {}
+    for name, outs in runs.items():  # one backward per run (the compiled graph has one)
+        order = list(cases) if name == "eager" else [*full, "p2p"]
+        inputs = [x for c in order for x in cases[c][1]]
+        grads = torch.autograd.grad(sum(o.square().sum() for o in outs), inputs)
+        got[name] = {c: (outs[i].detach(), *grads[3 * i : 3 * i + 3]) for i, c in enumerate(order)}
+    res = {}
+    for comm, (prepared, _) in cases.items():
+        pairs = zip(got["eager"][comm], got["prepared"][comm])
+        res[comm] = (prepared.fullgraph, max(float((a - b).abs().max()) for a, b in pairs))
+    return res
+
+
+def test_prepared_call_fullgraph():
+    """``plan_cp_attention`` outside, the prepared call inside: ``fullgraph=True`` at CP 1 and
+    for the comm types with traceable collectives (all_gather, a2a) equals eager ``cp_attention``
+    exactly; p2p (no traceable P2P) reports that it keeps its graph break and runs eagerly."""
+    for res in run_on_ranks(2, _fullgraph_worker, timeout=300):
+        assert {c: f for c, (f, _) in res.items()} == {"cp1": True, "all_gather": True, "a2a": True, "p2p": False}
+        assert all(err == 0.0 for _, err in res.values()), res

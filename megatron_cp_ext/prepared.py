@@ -1,0 +1,150 @@
+"""``plan_cp_attention``: the host side of :func:`cp_attention` done ahead, for ``fullgraph=True``.
+
+:func:`cp_attention` validates, agrees across ranks and looks up its plan on every call; under
+``torch.compile`` that host side runs eagerly behind one graph break (``docs/compile.md``).
+:func:`plan_cp_attention` runs the very same host side once, outside the compiled region, and
+returns a :class:`PreparedCPAttention`: calling it runs only tensor ops and collectives on the
+plan's already-uploaded device tensors, so dynamo traces it whole. Its results equal
+:func:`cp_attention`'s: the same schedules run on the same plan.
+
+What dynamo cannot trace stays out of the traced call by construction: the numpy planner,
+validation and the agreement exchange (all at planning time), and the ``p2p`` ring's batched
+``isend``/``irecv``, which has no traceable form (``p2p`` and ``a2a+p2p`` at CP > 1 therefore
+run their ring behind a graph break even here; ``docs/compile.md``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from types import ModuleType
+
+import torch
+import torch.distributed as dist
+
+from . import attention as att
+from .schedules import SCHEDULES, a2a
+from .schedules.common import Run
+from .schedules.p2p import P2PPlan
+from .seq_layout import rows_to_thd, seq_to_thd, thd_to_seq
+from .validation import CPArgumentError, as_bool
+
+__all__ = ["PreparedCPAttention", "plan_cp_attention"]
+
+
+class PreparedCPAttention:
+    """One micro-batch's validated, agreed and planned ``cp_attention`` call (reused by every
+    layer with the same arguments). ``prepared(q, k, v)`` runs it; traceable whole by dynamo
+    where the comm type's collectives are (``fullgraph``: see :attr:`fullgraph`)."""
+
+    def __init__(self, c: att._Call, plan: object) -> None:
+        self.comm_type = c.comm_type
+        """The comm type that runs (``auto`` resolved at planning time)."""
+        self.fmt, self.seq_dims, self.cp_size = c.fmt, c.seq_dims, c.sharding.cp_size
+        self.tokens, self.hq, self.hkv = c.shapes.tokens, c.shapes.hq, c.shapes.hkv
+        self.has_offset = c.offset is not None
+        self.plan = plan
+        self._a2a = isinstance(plan, a2a.A2APlan)
+        self._groups, self._heads = c.groups, c.heads
+        self._run = Run(plan=plan, group=c.groups.p2p, backend=c.backend, scale=c.scale, dk=c.shapes.dqk)
+        self._schedule: ModuleType = SCHEDULES["p2p"] if isinstance(plan, P2PPlan) else SCHEDULES["all_gather"]
+        _upload(plan, c.q.device)
+
+    @property
+    def fullgraph(self) -> bool:
+        """Whether a call traces without a graph break: no ``p2p`` ring with a peer (CP 1, ``all_gather``,
+        ``a2a``); ``p2p`` and ``a2a+p2p`` at CP > 1 keep one break around their ring."""
+        ring = self.plan.ring if self._a2a else self.plan
+        return not isinstance(ring, P2PPlan) or len(ring.counts) == 1
+
+    def __call__(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_offset: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Attention of this rank's ``q, k, v`` (the shapes, dtype and device planned for)."""
+        if (softmax_offset is not None) != self.has_offset:
+            raise CPArgumentError("softmax_offset must be passed iff it was passed to plan_cp_attention")
+        if self.seq_dims is not None:
+            q, k, v, _ = seq_to_thd(q, k, v, self.fmt)
+            q, k, v = (rows_to_thd(x, self.cp_size) for x in (q, k, v))
+        if q.shape[0] != self.tokens or q.shape[1] != self.hq or k.shape[1] != self.hkv:
+            raise CPArgumentError(
+                f"q {tuple(q.shape)} / k {tuple(k.shape)} do not match the planned call "
+                f"({self.tokens} tokens, {self.hq} query and {self.hkv} KV heads)"
+            )
+        out = (_attend if self.fullgraph else _attend_eager)(self, q, k, v, softmax_offset)
+        if self.seq_dims is not None:
+            out = thd_to_seq(out, self.fmt, self.seq_dims, self.cp_size)
+        return out
+
+
+def _attend(p: PreparedCPAttention, q, k, v, offset) -> torch.Tensor:
+    """The schedule on the prepared plan: tensor ops and collectives only."""
+    if p._a2a:
+        g = p._groups
+        return a2a.attention(q, k, v, p._run, g.a2a, g.p2p, p._heads, offset)
+    return att._CPAttention.apply(q, k, v, offset, p._run, p._schedule)
+
+
+_attend_eager = torch.compiler.disable(
+    _attend, reason="the p2p ring's batched isend/irecv (P2POp) has no traceable form"
+)
+
+
+def _upload(plan: object, device: torch.device) -> None:
+    """Every index tensor the hot path reads, on ``device`` now (cached on the plan), so the
+    traced call only looks them up."""
+    if isinstance(plan, a2a.A2APlan):
+        plan.perms_on(device)
+        plan = plan.ring
+    if isinstance(plan, P2PPlan):
+        for st in (plan.own, *(s.plan for s in plan.steps)):
+            st.on(device)
+        for s in plan.steps:
+            for rows in (s.send, s.recv):
+                if rows.n and rows.packed:
+                    rows.index_on(device)
+    else:
+        plan.step.on(device)
+
+
+def plan_cp_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    cp_group: dist.ProcessGroup | Sequence[dist.ProcessGroup] | None,
+    comm_type: str = "p2p",
+    qkv_format: str = "thd",
+    sharding=None,
+    causal: bool = True,
+    window_size: tuple[int, int] = (-1, -1),
+    chunk_size: int | None = None,
+    softmax_scale: float | None = None,
+    softmax_offset: torch.Tensor | None = None,
+    backend: str = "auto",
+    check: bool = False,
+) -> PreparedCPAttention:
+    """Run :func:`cp_attention`'s host side now: validation, the cross-rank agreement, the plan
+    (built or looked up on the sharding) and its device upload. Call it eagerly, outside
+    ``torch.compile``, once per micro-batch (every layer with the same arguments shares the
+    result); then call the returned object inside the compiled model.
+
+    Arguments as :func:`cp_attention` (``return_max_logit`` is not offered). ``q, k, v``
+    (and ``softmax_offset``) stand for the tensors of the later calls: their shapes, dtype,
+    device and ``requires_grad`` are what is checked and agreed; their values are not read.
+    ``check`` applies to this planning exchange (the prepared call communicates only
+    attention data). Collective: every CP rank must call it, like :func:`cp_attention`.
+    """
+    args = dict(
+        cp_group=cp_group, comm_type=comm_type, qkv_format=qkv_format, sharding=sharding, causal=causal,
+        window_size=window_size, chunk_size=chunk_size, softmax_scale=softmax_scale, softmax_offset=softmax_offset,
+        backend=backend, check=check, return_max_logit=False,
+    )  # fmt: skip
+    known = att._Known()
+    try:
+        c = att._prepare(q, k, v, args, known)
+        as_bool(check, "check")
+    except (ValueError, TypeError) as err:
+        att.agr.raise_everywhere(err, known.groups, known.cp_size, known.cp_rank)
+        raise  # unreachable: raise_everywhere always raises
+    att._agree(c)
+    return PreparedCPAttention(c, att._get_plan(c))
