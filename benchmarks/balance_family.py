@@ -1,6 +1,6 @@
 """Balances on a randomized family of batches: distributions, not a handful of named batches.
 
-    python benchmarks/balance_family.py [--count N] [--big] [--seed S]
+    python benchmarks/balance_family.py [--count N] [--big] [--seed S] [--doc docs/performance.md]
 
 Each batch draws a total (log-uniform 4K-256K tokens; 4K-1M with ``--big``), a CP size (2-64,
 at least 64 tokens per rank), a median length (log-uniform 256-16K) and a log-std (0-2) of
@@ -10,7 +10,8 @@ sharded by ``workload`` and ``dualchunk`` under every mask and planned for p2p t
 
 * ``tok``: largest per-rank tokens over the mean; ``spread`` largest minus smallest;
 * ``work``: largest per-rank attention work over the mean, and ``work-dual`` workload's minus
-  dualchunk's on the same batch (> 0: workload is less balanced);
+  dualchunk's on the same batch (> 0: workload is less balanced; the goal allows
+  ``balance_pick.WORK_SLACK``, one token's share of work on ranks of a few hundred tokens);
 * ``tiles``: useful score entries over the tile area the kernels visit, and ``tiles/1`` the same
   over that of the batch unsharded (documents too short for full tiles bound both);
 * ``sent/need``, ``gathered`` (largest rank), ``plan ms`` (slowest rank), ``shard ms``.
@@ -25,6 +26,7 @@ import numpy as np
 import torch
 
 import megatron_cp_ext as mcx
+from megatron_cp_ext.balance_pick import WORK_SLACK
 from megatron_cp_ext.batches import cu_seqlens, lognormal
 
 MASKS = {
@@ -88,6 +90,7 @@ def measure(batches, progress=None) -> dict[str, dict[str, list[dict]]]:
             for b, r in res.items():
                 r["per rank"] = cu[-1] / cp
                 r["work-dual"] = r["work"] - res["dualchunk"]["work"]
+                r["work-dual-abs"] = res["dualchunk"]["work"]
                 r["tiles-dual"] = r["tiles"] - res["dualchunk"]["tiles"]
                 r["tiles/1"] = r["tiles"] / one if one else 1.0
                 out[mask][b].append(r)
@@ -132,14 +135,22 @@ def goals(res) -> list[str]:
     wl = {m: per["workload"] for m, per in res.items()}
     allr = [r for rows in wl.values() for r in rows]
     tiles_ok = [r["tiles"] >= 0.90 or r["tiles/1"] >= 0.95 for r in allr]
-    roomy = [ok for ok, r in zip(tiles_ok, allr, strict=True) if r["per rank"] >= 4096]
+
+    def share(lo: float, hi: float) -> float:
+        got = [ok for ok, r in zip(tiles_ok, allr, strict=True) if lo <= r["per rank"] < hi]
+        return float(np.mean(got)) if got else 1.0
+
+    fair = [r["tiles-dual"] for r in allr if r["work-dual-abs"] <= 1.03]
     checks = [
         ("tokens max - min <= 1", max(r["spread"] for r in allr), "<=", 1),
         ("work max/mean <= 1.03 (every mask)", max(r["work"] for r in allr), "<=", 1.03),
-        ("work not above dualchunk's (worst excess)", max(r["work-dual"] for r in allr), "<=", 0.0),
+        ("work not above dualchunk's + 0.0005 (worst excess)", max(r["work-dual"] for r in allr), "<=", WORK_SLACK),
         ("tile eff >= 0.90 or >= 0.95 of unsharded (share of batches)", float(np.mean(tiles_ok)), ">=", 1.0),
-        ("  the same, batches with >= 4K tokens per rank", float(np.mean(roomy)) if roomy else 1.0, ">=", 1.0),
+        ("  the same, batches with < 1K tokens per rank", share(0, 1024), ">=", 1.0),
+        ("  the same, batches with 1K-4K tokens per rank", share(1024, 4096), ">=", 1.0),
+        ("  the same, batches with >= 4K tokens per rank", share(4096, float("inf")), ">=", 1.0),
         ("tile eff not below dualchunk's (worst difference)", min(r["tiles-dual"] for r in allr), ">=", 0.0),
+        ("  the same, where dualchunk's work is within 1.03", min(fair or [0.0]), ">=", 0.0),
         ("p2p bytes sent / needed", max(r["sent/need"] for r in allr if r["sent/need"] == r["sent/need"]), "<=", 1.0),
         ("gathered rows on dense masks", max(r["gathered"] for m in DENSE for r in wl[m]), "<=", 0),
         ("plan build ms per rank <= 100", max(r["plan ms"] for r in allr), "<=", 100),
@@ -162,12 +173,20 @@ def main() -> None:
     ap.add_argument("--count", type=int, default=36, help="batches in the family")
     ap.add_argument("--big", action="store_true", help="totals up to 1M tokens (slow: minutes per batch at cp 64)")
     ap.add_argument("--seed", type=int, default=2024, help="family seed")
+    ap.add_argument("--doc", help="replace the family table between the balance:family markers of this page")
     args = ap.parse_args()
     torch.set_num_threads(1)
     batches = family(args.count, args.big, args.seed)
     res = measure(batches, lambda i, n, s: print(f"\r{i}/{n} {s:<32}", end="", flush=True))
     print()
-    print("\n".join(report(res, len(batches))))
+    lines = report(res, len(batches))
+    print("\n".join(lines))
+    if args.doc:
+        text = open(args.doc).read()
+        start, end = "<!-- balance:family -->", "<!-- /balance:family -->"
+        a, b = text.index(start) + len(start), text.index(end)
+        with open(args.doc, "w") as f:
+            f.write(text[:a] + "\n" + "\n".join(lines) + "\n" + text[b:])
 
 
 if __name__ == "__main__":

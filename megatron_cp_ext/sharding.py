@@ -288,6 +288,15 @@ def _take(lens_cuts: np.ndarray, c: int) -> np.ndarray:
     return np.stack([seq[keep], s[keep], e[keep]], axis=1)
 
 
+def _dualchunk(lens: np.ndarray, cp: int, m: int) -> list[np.ndarray]:
+    """Per rank segments of the dual-chunk split: chunks r and ``2 cp - 1 - r`` of every
+    sequence, the rank's shares of :func:`_shares` halved."""
+    shares = _shares(lens, cp, m)
+    firsts = shares // 2
+    cuts = _cut_table(np.concatenate([firsts, (shares - firsts)[:, ::-1]], axis=1))
+    return [np.concatenate([_take(cuts, r), _take(cuts, 2 * cp - 1 - r)]) for r in range(cp)]
+
+
 def shard_sequences(
     cu_seqlens: torch.Tensor | Sequence[int],
     cp_size: int,
@@ -330,16 +339,15 @@ def shard_sequences(
         seq = np.nonzero(lens)[0]
         return CPSharding._of(cu, [np.stack([seq, seq * 0, lens[seq]], axis=1)], balance, token_multiple)
     if balance == "workload":
-        from .workload import workload_segments
+        from .balance_pick import pick
 
         counts = rank_counts(cu[-1], cp_size, token_multiple)
-        return CPSharding._of(cu, workload_segments(lens, counts, mask), balance, token_multiple)
-    shares = _shares(lens, cp_size, token_multiple)
+        per_rank = pick(lens, counts, mask, lambda: _dualchunk(lens, cp_size, token_multiple))
+        return CPSharding._of(cu, per_rank, balance, token_multiple)
     if balance == "dualchunk":
-        firsts = shares // 2
-        cuts = _cut_table(np.concatenate([firsts, (shares - firsts)[:, ::-1]], axis=1))
-        per_rank = [np.concatenate([_take(cuts, r), _take(cuts, 2 * cp_size - 1 - r)]) for r in range(cp_size)]
+        per_rank = _dualchunk(lens, cp_size, token_multiple)
     else:
+        shares = _shares(lens, cp_size, token_multiple)
         cuts = _cut_table(shares)
         per_rank = [_take(cuts, r) for r in range(cp_size)]
     return CPSharding._of(cu, per_rank, balance, token_multiple)

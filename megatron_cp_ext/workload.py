@@ -81,8 +81,8 @@ def unit_table(lens: np.ndarray, chunk: int | None) -> tuple[np.ndarray, np.ndar
 class _Stream:
     """The sorted stream: entries (pieces of units) lightest first; ranks take from both ends."""
 
-    def __init__(self, ulen: np.ndarray, uwork: np.ndarray, lo: int, up: int) -> None:
-        self.ulen, self.lo, self.up = ulen.tolist(), lo, up
+    def __init__(self, ulen: np.ndarray, uwork: np.ndarray, lo: int, up: int, tolerance: float) -> None:
+        self.ulen, self.lo, self.up, self.tolerance = ulen.tolist(), lo, up, tolerance
         units = np.nonzero(ulen > 0)[0]
         dens = uwork[units] / ulen[units]
         order = np.lexsort((units, dens))  # as the entries' tuples sort: density, then unit
@@ -152,7 +152,7 @@ class _Stream:
         for x in sorted(c for c in cands if 0 <= c <= t):
             w, ugly = cost(x)
             err = abs(w - target) / max(target, 1.0)
-            key = (ugly if err <= TOLERANCE else 9, err)
+            key = (ugly if err <= self.tolerance else 9, err)
             if best is None or key < best[0]:
                 best = (key, x, 0, None)
         if best[0][0]:
@@ -203,7 +203,7 @@ class _Stream:
                 got = total(i)
                 if got is not None:
                     err = abs(got[0] - target) / max(target, 1.0)
-                    key = ((got[1] if err <= TOLERANCE else 9), err)
+                    key = ((got[1] if err <= self.tolerance else 9), err)
                     if best is None or key < best[0]:
                         best = (key, got[2], front_size(i), e)
             if best is not None and best[0][0] <= 1:  # within tolerance, one cut in a short document at most
@@ -247,12 +247,15 @@ class _Stream:
         return [p for p in out if p[2] > p[1]]
 
 
-def workload_segments(lens: np.ndarray, counts: list[int], mask: MaskSpec) -> list[np.ndarray]:
-    """Per rank ``[k, 3]`` ``(seq, start, end)`` segments: rank r holds ``counts[r]`` tokens."""
+def workload_segments(
+    lens: np.ndarray, counts: list[int], mask: MaskSpec, tolerance: float = TOLERANCE
+) -> list[np.ndarray]:
+    """Per rank ``[k, 3]`` ``(seq, start, end)`` segments: rank r holds ``counts[r]`` tokens;
+    ``tolerance`` is the relative work miss a rank accepts for tile-aligned cuts."""
     lo, up = bounds(mask)
     useq, ustart, ulen = unit_table(lens, mask.chunk)
     uwork = work_prefix(ulen, ulen, lo, up)
-    stream = _Stream(ulen, uwork, lo, up)
+    stream = _Stream(ulen, uwork, lo, up, tolerance)
     left_t, left_w = int(ulen.sum()), int(uwork.sum())
     per_rank: list[list[tuple[int, int, int]]] = []
     for t in counts:

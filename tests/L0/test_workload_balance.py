@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import megatron_cp_ext as mcx
+from megatron_cp_ext.balance_pick import WORK_BOUND, WORK_SLACK
 from megatron_cp_ext.batches import cu_seqlens, lognormal, long_short
 from megatron_cp_ext.geometry import TILE
 from megatron_cp_ext.masks import MaskSpec
@@ -151,3 +152,31 @@ def test_inspect_plan_selected_ranks_and_errors():
         mcx.inspect_plan(sh, ranks=[8])
     mask = MaskSpec.make(causal=True)
     assert rep.mask == mask
+
+
+# ---- small ranks: never less balanced than dual-chunk -------------------------------------------
+def _small_family(count: int, seed: int) -> list[tuple[list[int], int]]:
+    """Random batches with a few hundred to a few thousand tokens per rank (where equal counts
+    force cuts through most documents): totals 2K-16K, cp 2-16, lognormal lengths."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(count):
+        total, cp = int(2 ** rng.uniform(11, 14)), int(2 ** rng.integers(1, 5))
+        median, sigma = int(2 ** rng.uniform(8, 13)), float(rng.uniform(0, 2))
+        out.append((lognormal(total, median=median, sigma=sigma, seed=int(rng.integers(1 << 30))), cp))
+    return out
+
+
+@pytest.mark.parametrize("mask", ["causal", "nomask"])
+def test_small_ranks_at_least_as_balanced_as_dualchunk(mask):
+    for lens, cp in _small_family(6, seed=28)[2:]:  # the batches where one pass falls short
+        cu = cu_seqlens(lens)
+        sh = mcx.shard_sequences(cu, cp, **MASKS[mask])
+        assert max(sh.counts()) - min(sh.counts()) <= 1
+        rep = mcx.inspect_plan(sh, "p2p", **MASKS[mask])
+        dual = mcx.inspect_plan(mcx.shard_sequences(cu, cp, "dualchunk", **MASKS[mask]), "p2p", **MASKS[mask])
+        # as balanced as dual-chunk (up to one token's share of work), within the goal, and
+        # with at least its tile efficiency wherever dual-chunk itself meets the work goal
+        assert rep.work_imbalance <= min(dual.work_imbalance + WORK_SLACK, WORK_BOUND) + 1e-12, (cu[-1], cp)
+        if dual.work_imbalance <= WORK_BOUND:
+            assert rep.tile_efficiency >= dual.tile_efficiency - 1e-12, (cu[-1], cp)
