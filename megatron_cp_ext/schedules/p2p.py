@@ -116,15 +116,17 @@ def _land(home: tuple | None, dkv: KV) -> None:
     Peers.wait(batch)
     if buf is None:
         return
+    # a packed accumulator (a2a's) takes the packed partial in one op, else K and V apart
+    pairs = [(dkv.packed, buf.packed)] if dkv.packed is not None else [(dkv.k, buf.k), (dkv.v, buf.v)]
     if rows.packed:
         idx = rows.index_on(buf.k.device)
-        accumulate(dkv.k, None, idx, buf.k)
-        accumulate(dkv.v, None, idx, buf.v)
+        for acc, part in pairs:
+            accumulate(acc, None, idx, part)
         return
     off = 0
     for a, b in rows.spans:
-        accumulate(dkv.k, (a, b), None, buf.k[off : off + b - a])
-        accumulate(dkv.v, (a, b), None, buf.v[off : off + b - a])
+        for acc, part in pairs:
+            accumulate(acc, (a, b), None, part[off : off + b - a])
         off += b - a
 
 
