@@ -6,10 +6,15 @@ and launch around the kernels (the kernels' own outputs included, their workspac
 ``ideal`` is the local q, k, v, output and fp32 lse; ``saved`` what autograd keeps for
 backward plus the output (which the next layer keeps anyway); forward peak counts q, k, v and all
 that the call allocates; backward peak counts what forward saved, the output, dout, and
-all that backward allocates (dq, dk, dv included).
+all that backward allocates (dq, dk, dv included) — q, k, v themselves only where forward
+saved them (p2p, all_gather: a2a saves head-sharded copies instead, and a training step
+frees inputs nobody saved).
 
     python benchmarks/memory_launches.py --world-size 4 --tokens 8192
     python benchmarks/memory_launches.py --world-size 8 --tokens 512 --host-ms
+
+``--breakdown`` also prints, for the worst rank of each comm type, every storage alive at the
+forward and backward peaks (size as a multiple of the ideal, allocating op and source line).
 
 ``--host-ms`` also prints host CPU ms per layer (forward + backward, plan cached) with the
 stub kernels, i.e. the Python and dispatch overhead a GPU step would pay.
@@ -51,20 +56,23 @@ def _layer(rank, world, args, comm, group, sharding):
     mcx.cp_attention(q, k, v, **call).backward(dout)  # plan built and cached, agreement done
     q.grad = k.grad = v.grad = None
     ideal = sum(x.numel() * x.element_size() for x in (q, k, v, dout)) + t * args.heads * 4
-    tr = Tracker()
+    tr = Tracker(where=args.breakdown)
     tr.track(q, k, v)
-    with tr, saved_bytes() as saved:
+    refs: dict = {}
+    with tr, saved_bytes(refs=refs) as saved:
         out = mcx.cp_attention(q, k, v, **call)
     add_storage(saved, out)  # an output projection saves the output: count it once
-    fwd_peak, fwd_ops, fwd_kernels = tr.peak, tr.num_ops, tr.kernels
+    fwd_peak, fwd_ops, fwd_kernels, fwd_live = tr.peak, tr.num_ops, tr.kernels, tr.live_at_peak
     tr.ops.clear()
     tr.kernels = 0
-    tr.track(dout, out)
-    tr.reset_peak()
+    tr.restart(refs, dout, out)  # q, k, v count only where saved: a training step frees them
     with tr:
         out.backward(dout)
     res = dict(fwd=fwd_peak / ideal, bwd=tr.peak / ideal, saved=sum(saved.values()) / ideal)
     res.update(fwd_ops=fwd_ops, bwd_ops=tr.num_ops, calls=fwd_kernels)
+    if args.breakdown:
+        res["live"] = {"fwd": [(n / ideal, lab) for n, lab in fwd_live]}
+        res["live"]["bwd"] = [(n / ideal, lab) for n, lab in tr.live_at_peak]
     if args.host_ms:
         res["host_ms"] = _host_ms(q, k, v, dout, call, args.iters)
     return res
@@ -111,6 +119,14 @@ def _print(world: int, args, gathered) -> None:
     for i, (comm, _) in enumerate(gathered[0]):
         vals = [max(r[i][1][c] for r in gathered) for c in cols]
         print(f"| {comm} | " + " | ".join(f"{x:.2f}" if isinstance(x, float) else str(x) for x in vals) + " |")
+    if args.breakdown:
+        for i, (comm, _) in enumerate(gathered[0]):
+            for phase in ("fwd", "bwd"):
+                rank = max(range(world), key=lambda r: gathered[r][i][1][phase])
+                res = gathered[rank][i][1]
+                print(f"\n{comm} {phase} peak {res[phase]:.2f} on rank {rank}, alive:")
+                for x, lab in res["live"][phase]:
+                    print(f"  {x:.3f}  {lab}")
 
 
 def main() -> None:
@@ -123,6 +139,7 @@ def main() -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--balance", default="dualchunk", choices=["dualchunk", "workload", "contiguous"])
     p.add_argument("--comm", default=",".join(COMMS))
+    p.add_argument("--breakdown", action="store_true", help="list what is alive at each peak")
     p.add_argument("--host-ms", action="store_true")
     p.add_argument("--iters", type=int, default=20)
     args = p.parse_args()

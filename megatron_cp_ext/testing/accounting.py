@@ -19,6 +19,8 @@ Both run under ``torch.compiler.disable``-free eager code only.
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 from collections import Counter
 from collections.abc import Iterator
 
@@ -74,16 +76,20 @@ class Tracker(TorchDispatchMode):
     and at most, over tracked inputs (:meth:`track`) and every op's outputs.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, where: bool = False) -> None:
         super().__init__()
         self.ops: Counter[str] = Counter()
         self.kernels = 0
         self.comms = 0
-        self._live: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.where = where
+        """Label every storage with the package source line that allocated it (slower)."""
+        self._live: dict[int, tuple[StorageWeakRef, int, str]] = {}
         self.live = 0
         self.peak = 0
         self.at_peak: tuple[str, list[int]] = ("", [])
         """The op after which the peak was reached and the sizes alive then (largest first)."""
+        self.live_at_peak: list[tuple[int, str]] = []
+        """With ``where``: ``(bytes, label)`` of every storage alive at the peak, largest first."""
 
     def track(self, *tensors: torch.Tensor) -> None:
         """Count these (already allocated) tensors as live."""
@@ -91,19 +97,28 @@ class Tracker(TorchDispatchMode):
             self._add(t)
         self.peak = max(self.peak, self.live)
 
+    def restart(self, saved: dict[int, tuple[StorageWeakRef, int]], *tensors: torch.Tensor) -> None:
+        """Follow only the ``saved`` storages (:func:`saved_bytes`' ``refs``) still alive and
+        ``tensors`` from here on, peak included: what a backward starts from, leaving out
+        inputs that only the caller keeps (a training step frees them after forward)."""
+        self._live = {key: (ref, n, "saved") for key, (ref, n) in saved.items() if not ref.expired()}
+        self.live = sum(n for _, n, _ in self._live.values())
+        self.track(*tensors)
+        self.peak = self.live
+
     def reset_peak(self) -> None:
         self._sweep()
         self.peak = self.live
 
-    def _add(self, t: torch.Tensor) -> None:
+    def _add(self, t: torch.Tensor, label: str = "input") -> None:
         st = t.untyped_storage()
         ref = StorageWeakRef(st)
         if ref.cdata not in self._live:
-            self._live[ref.cdata] = (ref, st.nbytes())
+            self._live[ref.cdata] = (ref, st.nbytes(), label)
             self.live += st.nbytes()
 
     def _sweep(self) -> None:
-        for key, (ref, n) in list(self._live.items()):
+        for key, (ref, n, _) in list(self._live.items()):
             if ref.expired():
                 del self._live[key]
                 self.live -= n
@@ -118,12 +133,15 @@ class Tracker(TorchDispatchMode):
         elif not func.is_view and func not in _METADATA:
             self.ops[func.name()] += 1
         self._sweep()
+        label = f"{func.name()} {_caller()}" if self.where else func.name()
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
-                self._add(t)
+                self._add(t, f"{label} {list(t.shape)}")
         if self.live > self.peak:
             self.peak = self.live
-            self.at_peak = (func.name(), sorted((n for _, n in self._live.values()), reverse=True))
+            self.at_peak = (func.name(), sorted((n for _, n, _ in self._live.values()), reverse=True))
+            if self.where:
+                self.live_at_peak = sorted(((n, lab) for _, n, lab in self._live.values()), reverse=True)
         return out
 
     @property
@@ -131,19 +149,39 @@ class Tracker(TorchDispatchMode):
         return sum(self.ops.values())
 
 
+_PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_SKIP = (os.path.join(_PKG, "testing"), os.path.join(_PKG, "ops.py"))
+
+
+def _caller() -> str:
+    """``file:line`` of the innermost package frame outside the testing tools and ``ops``."""
+    f = sys._getframe(2)
+    while f is not None:
+        name = f.f_code.co_filename
+        if name.startswith(_PKG) and not name.startswith(_SKIP):
+            return f"{os.path.relpath(name, _PKG)}:{f.f_lineno}"
+        f = f.f_back
+    return "?"
+
+
 _METADATA = {torch.ops.aten.detach.default, torch.ops.aten.lift_fresh.default}
 
 
 @contextlib.contextmanager
-def saved_bytes(seen: dict[int, int] | None = None) -> Iterator[dict[int, int]]:
+def saved_bytes(
+    seen: dict[int, int] | None = None, refs: dict[int, tuple[StorageWeakRef, int]] | None = None
+) -> Iterator[dict[int, int]]:
     """The distinct storages autograd saves for backward inside the block, as
     ``{storage id: bytes}`` (filled while the block runs). Add the block's outputs with
-    :func:`add_storage` to count what the next layer keeps too."""
+    :func:`add_storage` to count what the next layer keeps too. ``refs``, if given, gets a
+    weak reference and the size of each (for :meth:`Tracker.restart`)."""
     seen = {} if seen is None else seen
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         ref = StorageWeakRef(t.untyped_storage())
         seen.setdefault(ref.cdata, t.untyped_storage().nbytes())
+        if refs is not None:
+            refs.setdefault(ref.cdata, (ref, t.untyped_storage().nbytes()))
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
