@@ -160,6 +160,7 @@ class _A2AAttention(torch.autograd.Function):
             dq_h, dkv_h = torch.zeros_like(q_h, dtype=acc_dtype(q_h)), torch.zeros_like(kv_h, dtype=acc_dtype(q_h))
         if offset is not None and ctx.needs_input_grad[3] and d_off is None:
             d_off = torch.zeros_like(offset)
+        del dout_h, out_h  # consumed: freed before the gradients are moved back to tokens
         send = [dq_h.to(dtype).index_select(0, inv)]
         del dq_h
         dq = from_heads(send, q_parts, plan.counts, me, group, ctx.t, ctx.hq)

@@ -16,7 +16,7 @@ import torch
 from ..comm import all_gather_padded, reduce_scatter_padded
 from ..masks import MaskSpec
 from ..plan import Layout, StepPlan, plan_steps
-from .common import GradAcc, Run, acc_dtype, new_accumulators, pack_kv, step_backward, step_forward
+from .common import KV, GradAcc, OutAcc, Run, acc_dtype, pack_kv, step_backward, step_forward
 
 __all__ = ["GatherPlan", "build_plan", "forward", "backward"]
 
@@ -50,16 +50,19 @@ def _gather(run: Run, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 
 def forward(run: Run, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     kv_all = _gather(run, k, v)
-    out, lse = new_accumulators(q, v.shape[-1])
-    step_forward(run.plan.step.on(q.device), run, q, kv_all, out, lse)
-    return out, lse  # accumulator dtype: the caller adds any sink and rounds once
+    acc = OutAcc(q, v.shape[-1])
+    step_forward(run.plan.step.on(q.device), run, q, KV.of(kv_all, run.dk), acc)
+    del kv_all  # the gathered KV: freed before the result is handed back
+    return acc.result()  # accumulator dtype: the caller adds any sink and rounds once
 
 
 def backward(run: Run, dout, q, k, v, out, lse) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     kv_all = _gather(run, k, v)
     dq = GradAcc(q)
     dkv_all = torch.zeros(kv_all.shape, dtype=acc_dtype(q), device=q.device)
-    step_backward(run.plan.step.on(q.device), run, (dout, q, out, lse), kv_all, dq, dkv_all)
+    calls = run.plan.step.on(q.device)
+    step_backward(calls, run, (dout, q, out, lse), KV.of(kv_all, run.dk), dq, KV.of(dkv_all, run.dk))
+    del kv_all  # the gathered KV: freed before the reduce-scatter allocates
     dkv = dkv_all if run.group is None else reduce_scatter_padded(dkv_all, run.group)
     dkv = dkv[: k.shape[0]]
     return dq.result(), dkv[..., : run.dk], dkv[..., run.dk :]  # accumulator dtype: the caller rounds once

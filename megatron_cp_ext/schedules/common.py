@@ -5,13 +5,16 @@ for each planned call, take its query/key rows (a view when contiguous, else a g
 the local varlen kernel, and merge (forward) or accumulate (backward) by the call's rows.
 
 Shape legend: ``t`` local tokens, ``H``/``Hk`` query/KV heads, ``D`` qk dim, ``Dv`` v dim;
-``KV`` buffers pack K and V along the last dim (``[rows, Hk, D + Dv]``) so one message moves both.
+A step's KV is a :class:`KV`: K and V as two tensors, views of one packed ``[rows, Hk, D + Dv]``
+buffer where the schedule has one (a gathered or all-to-all'd KV moves both in one message),
+or the layer's own ``k`` and ``v`` (p2p sends them as they are: packing them would be a copy).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from types import ModuleType
+from typing import NamedTuple
 
 import torch
 
@@ -19,7 +22,29 @@ from ..ops import LSE_FLOOR, gather_rows, index_add_rows, merge_partial
 from ..plan import VarlenCall
 
 __all__ = ["Run", "take", "accumulate", "step_forward", "step_backward", "pack_kv", "new_accumulators", "acc_dtype"]
-__all__ += ["apply_sink", "sink_grad", "GradAcc"]
+__all__ += ["apply_sink", "sink_grad", "GradAcc", "OutAcc", "KV"]
+
+
+class KV(NamedTuple):
+    """K and V rows of one step (or their gradient accumulators)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    packed: torch.Tensor | None = None
+    """The ``[rows, Hk, D + Dv]`` buffer ``k`` and ``v`` view, if any: a gathered call then
+    gathers it once for both."""
+
+    @classmethod
+    def of(cls, packed: torch.Tensor, dk: int) -> KV:
+        return cls(packed[..., :dk], packed[..., dk:], packed)
+
+    def take(self, sl: tuple[int, int] | None, idx: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The call's rows of K and V (one gather for a packed buffer, else one each)."""
+        if sl is not None or self.packed is None:
+            return take(self.k, sl, idx), take(self.v, sl, idx)
+        kv = gather_rows(self.packed, idx)
+        dk = self.k.shape[-1]
+        return kv[..., :dk], kv[..., dk:]
 
 
 @dataclass(frozen=True)
@@ -99,28 +124,64 @@ def new_accumulators(q: torch.Tensor, dv: int) -> tuple[torch.Tensor, torch.Tens
     return out, lse
 
 
-def step_forward(
-    calls: list[VarlenCall], run: Run, q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor, lse: torch.Tensor
-) -> None:
-    """Merge this step's attention of ``q`` over the ``kv`` buffer into ``out``/``lse``."""
+class OutAcc:
+    """Output and lse accumulators made on first merge: a first partial over every query row,
+    already in the accumulator dtype, becomes the accumulator (its lse made finite in place)
+    instead of being merged into zeros — one ``[t, H, Dv]`` buffer fewer alive at the call
+    (a2a's single call; fp32/fp64 inputs, whose kernel output is in the accumulator dtype)."""
+
+    def __init__(self, q: torch.Tensor, dv: int) -> None:
+        self.q, self.dv = q, dv
+        self.out: torch.Tensor | None = None
+        self.lse: torch.Tensor | None = None
+
+    def merge(self, sl: tuple[int, int] | None, idx: torch.Tensor | None, o: torch.Tensor, lse_c: torch.Tensor) -> None:
+        if self.out is None:
+            t, dtype = self.q.shape[0], acc_dtype(self.q)
+            if sl == (0, t) and o.dtype == dtype == lse_c.dtype and o.is_contiguous():
+                # empty rows: a kernel's -inf (or flash's +inf) lse becomes the finite floor the
+                # merges and backwards expect; NaN stays NaN
+                self.out = o
+                self.lse = lse_c.nan_to_num_(nan=float("nan"), posinf=LSE_FLOOR, neginf=LSE_FLOOR)
+                return
+            self.out, self.lse = new_accumulators(self.q, self.dv)
+        if sl is not None:
+            merge_partial(self.out[sl[0] : sl[1]], self.lse[sl[0] : sl[1]], o, lse_c, None, acc_finite=True)
+        else:
+            merge_partial(self.out, self.lse, o, lse_c, idx, acc_finite=True)
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.out is None:
+            self.out, self.lse = new_accumulators(self.q, self.dv)
+        self.q = None  # the accumulator outlives the call; q is not its business
+        return self.out, self.lse
+
+
+def step_forward(calls: list[VarlenCall], run: Run, q: torch.Tensor, kv: KV | list[KV], acc: OutAcc) -> None:
+    """Merge this step's attention of ``q`` over the ``kv`` rows into ``acc``.
+
+    ``kv`` may be handed over in a one-element list: it is then taken out and dropped after
+    the step's last kernel call, before that call's merge allocates (a received block)."""
+    if isinstance(kv, list):
+        kv = kv.pop()
+    last = calls[-1] if calls else None
     for c in calls:
-        kv_c = take(kv, c.k_slice, c.k_index)  # one gather moves K and V together
+        k_c, v_c = kv.take(c.k_slice, c.k_index)
         q_c = take(q, c.q_slice, c.q_index)
         o, lse_c = run.backend.attn_fwd(
-            q_c, kv_c[..., : run.dk], kv_c[..., run.dk :],
+            q_c, k_c, v_c,
             c.cu_seqlens_q, c.cu_seqlens_k, c.max_seqlen_q, c.max_seqlen_k, c.causal, c.window, run.scale,
         )  # fmt: skip
         if run.max_logit is not None:
             m = run.backend.max_logit(
-                q_c, kv_c[..., : run.dk], c.cu_seqlens_q, c.cu_seqlens_k, c.max_seqlen_q, c.max_seqlen_k,
+                q_c, k_c, c.cu_seqlens_q, c.cu_seqlens_k, c.max_seqlen_q, c.max_seqlen_k,
                 c.causal, c.window, run.scale,
             )  # fmt: skip
             torch.maximum(run.max_logit, m, out=run.max_logit)
-        if c.q_slice is not None:
-            a, b = c.q_slice
-            merge_partial(out[a:b], lse[a:b], o, lse_c, None, acc_finite=True)
-        else:
-            merge_partial(out, lse, o, lse_c, c.q_index, acc_finite=True)
+        del q_c, k_c, v_c  # gathered rows: freed before the merge gathers its own
+        if c is last:
+            del kv
+        acc.merge(c.q_slice, c.q_index, o, lse_c)
         del o, lse_c  # free the partial before the next call allocates its own
 
 
@@ -128,27 +189,28 @@ def step_backward(
     calls: list[VarlenCall],
     run: Run,
     saved: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
-    kv: torch.Tensor,
+    kv: KV,
     dq: GradAcc,
-    dkv: torch.Tensor,
+    dkv: KV,
 ) -> None:
-    """Accumulate this step's gradients: ``dq`` for local queries, ``dkv`` for the KV buffer.
+    """Accumulate this step's gradients: ``dq`` for local queries, ``dkv`` for the KV rows.
 
     ``saved`` is ``(dout, q, out, lse)`` with the final merged ``out``/``lse``.
     """
     dout, q, out, lse = saved
     for c in calls:
         qs, ks = (c.q_slice, c.q_index), (c.k_slice, c.k_index)
-        kv_c = take(kv, *ks)
+        k_c, v_c = kv.take(*ks)
         g_q, g_k, g_v = run.backend.attn_bwd(
-            take(dout, *qs), take(q, *qs), kv_c[..., : run.dk], kv_c[..., run.dk :], take(out, *qs), take(lse, *qs),
+            take(dout, *qs), take(q, *qs), k_c, v_c, take(out, *qs), take(lse, *qs),
             c.cu_seqlens_q, c.cu_seqlens_k, c.max_seqlen_q, c.max_seqlen_k, c.causal, c.window, run.scale,
         )  # fmt: skip
         dq.add(*qs, g_q)
         del g_q
-        # K and V halves of the packed buffer separately: no per-call cat
-        accumulate(dkv[..., : run.dk], *ks, g_k)
-        accumulate(dkv[..., run.dk :], *ks, g_v)
+        del k_c, v_c
+        # K and V accumulated separately (halves of a packed buffer or two): no per-call cat
+        accumulate(dkv.k, *ks, g_k)
+        accumulate(dkv.v, *ks, g_v)
         del g_k, g_v
 
 

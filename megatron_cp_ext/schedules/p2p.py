@@ -19,7 +19,7 @@ import torch
 
 from ..comm import Peers
 from ..ops import gather_rows
-from .common import GradAcc, Run, acc_dtype, accumulate, new_accumulators, pack_kv, step_backward, step_forward
+from .common import KV, GradAcc, OutAcc, Run, acc_dtype, accumulate, step_backward, step_forward
 from .p2p_plan import P2PPlan, Rows, Step, build_plan
 
 __all__ = ["P2PPlan", "build_plan", "forward", "backward", "backward_packed"]
@@ -49,9 +49,13 @@ def _recv_parts(buf: torch.Tensor | None, rows: Rows) -> list[torch.Tensor]:
 
 
 class _Steps:
-    """Walks steps 1 .. n-1 of a plan, posting each step's KV transfer one step ahead."""
+    """Walks steps 1 .. n-1 of a plan, posting each step's KV transfer one step ahead.
 
-    def __init__(self, run: Run, own: torch.Tensor) -> None:
+    ``own`` is the layer's K and V, sent as they are (two messages per range), or views of a
+    packed KV buffer (a2a's), sent packed (one). A receive buffer has the sender's layout: one
+    allocation either way, K rows then V rows when they travel apart."""
+
+    def __init__(self, run: Run, own: KV) -> None:
         self.plan: P2PPlan = run.plan
         self.by_slot = {st.slot: st for st in self.plan.steps}
         self.n = len(self.plan.counts)
@@ -59,13 +63,25 @@ class _Steps:
         self.peers = Peers(run.group, _KV_TAG) if run.group is not None else None
         self.home = Peers(run.group, _HOME_TAG) if run.group is not None else None
 
-    def post_kv(self, slot: int) -> tuple[Step | None, torch.Tensor | None, list]:
+    def _buffer(self, n: int) -> tuple[KV, list[torch.Tensor]]:
+        """A receive buffer for ``n`` rows and its parts in message order."""
+        k, v, packed = self.own
+        if packed is not None:
+            buf = packed.new_empty((n, *packed.shape[1:]))
+            return KV.of(buf, k.shape[-1]), [buf]
+        nk = n * int(torch.Size(k.shape[1:]).numel())
+        flat = k.new_empty(nk + n * int(torch.Size(v.shape[1:]).numel()))
+        kb, vb = flat[:nk].view(n, *k.shape[1:]), flat[nk:].view(n, *v.shape[1:])
+        return KV(kb, vb), [kb, vb]
+
+    def post_kv(self, slot: int) -> tuple[Step | None, KV | None, list]:
         st = self.by_slot.get(slot)
         if st is None:
             return None, None, []
-        buf = self.own.new_empty((st.recv.n, *self.own.shape[1:])) if st.recv.n else None
-        sends = [(st.dst, t) for t in _send_parts(self.own, st.send)]
-        recvs = [(st.src, t) for t in _recv_parts(buf, st.recv)]
+        buf, parts = self._buffer(st.recv.n) if st.recv.n else (None, [])
+        own = [self.own.packed] if self.own.packed is not None else [self.own.k, self.own.v]
+        sends = [(st.dst, t) for x in own for t in _send_parts(x, st.send)]
+        recvs = [(st.src, t) for x in parts for t in _recv_parts(x, st.recv)]
         batch = self.peers.post(sends, recvs) if self.peers is not None else []
         return st, buf, [batch, sends]  # the sends stay referenced until the batch is done
 
@@ -73,23 +89,26 @@ class _Steps:
 def forward(
     run: Run, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``kv``: k and v already packed (``k``/``v`` are then its views), so nothing is copied."""
-    out, lse = new_accumulators(q, v.shape[-1])
-    walk = _Steps(run, pack_kv(k, v) if kv is None else kv)
+    """``kv``: k and v already packed (``k``/``v`` are then its views): sent packed."""
+    acc = OutAcc(q, v.shape[-1])
+    walk = _Steps(run, KV(k, v, kv))
     pending = walk.post_kv(1)
-    step_forward(walk.plan.own.on(q.device), run, q, walk.own, out, lse)
+    step_forward(walk.plan.own.on(q.device), run, q, walk.own, acc)
     for s in range(1, walk.n):
         nxt = walk.post_kv(s + 1) if s + 1 < walk.n else (None, None, [])
         st, buf, keep = pending
+        pending = nxt
         if keep:
             Peers.wait(keep[0])
-        if st is not None and buf is not None and not st.plan.empty:
-            step_forward(st.plan.on(q.device), run, q, buf, out, lse)
-        pending = nxt
-    return out, lse  # accumulator dtype: the caller adds any sink and rounds once
+        del keep
+        bufs, buf = [buf], None  # handed over: step_forward frees it after its last kernel call
+        if st is not None and bufs[0] is not None and not st.plan.empty:
+            step_forward(st.plan.on(q.device), run, q, bufs, acc)
+        del st, bufs
+    return acc.result()  # accumulator dtype: the caller adds any sink and rounds once
 
 
-def _land(home: tuple | None, dkv: torch.Tensor) -> None:
+def _land(home: tuple | None, dkv: KV) -> None:
     """Wait for a returned dK/dV partial and add it to the own block's rows it belongs to."""
     if home is None:
         return
@@ -97,26 +116,47 @@ def _land(home: tuple | None, dkv: torch.Tensor) -> None:
     Peers.wait(batch)
     if buf is None:
         return
+    # a packed accumulator (a2a's) takes the packed partial in one op, else K and V apart
+    pairs = [(dkv.packed, buf.packed)] if dkv.packed is not None else [(dkv.k, buf.k), (dkv.v, buf.v)]
     if rows.packed:
-        accumulate(dkv, None, rows.index_on(dkv.device), buf)
+        idx = rows.index_on(buf.k.device)
+        for acc, part in pairs:
+            accumulate(acc, None, idx, part)
         return
     off = 0
     for a, b in rows.spans:
-        accumulate(dkv, (a, b), None, buf[off : off + b - a])
+        for acc, part in pairs:
+            accumulate(acc, (a, b), None, part[off : off + b - a])
         off += b - a
 
 
+def _partial(kv: KV, n: int, dtype: torch.dtype, zero: bool) -> KV:
+    """A packed ``[n, Hk, D + Dv]`` dK|dV buffer shaped like ``kv``'s rows: one message home."""
+    shape = (n, kv.k.shape[1], kv.k.shape[-1] + kv.v.shape[-1])
+    buf = (torch.zeros if zero else torch.empty)(shape, dtype=dtype, device=kv.k.device)
+    return KV.of(buf, kv.k.shape[-1])
+
+
 def backward(run: Run, dout, q, k, v, out, lse) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    dq, dkv = backward_packed(run, dout, q, pack_kv(k, v), out, lse)
-    return dq, dkv[..., : run.dk], dkv[..., run.dk :]  # accumulator dtype: the caller rounds once
+    dq, dkv = _backward(run, dout, q, KV(k, v), out, lse)
+    return dq, dkv.k, dkv.v  # accumulator dtype: the caller rounds once
 
 
 def backward_packed(run: Run, dout, q, kv, out, lse) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`backward` on packed ``kv``; returns ``dq`` and the packed ``dkv`` (accumulator dtype)."""
+    dq, dkv = _backward(run, dout, q, KV.of(kv, run.dk), out, lse)
+    return dq, dkv.packed
+
+
+def _backward(run: Run, dout, q, kv: KV, out, lse) -> tuple[torch.Tensor, KV]:
     saved = (dout, q, out, lse)
     walk = _Steps(run, kv)
     dq = GradAcc(q)
-    dkv = torch.zeros(walk.own.shape, dtype=acc_dtype(q), device=q.device)
+    dtype = acc_dtype(q)
+    if kv.packed is not None:  # packed like kv: a2a moves it home in one all-to-all
+        dkv = _partial(kv, kv.k.shape[0], dtype, True)
+    else:  # the layer's dk and dv themselves
+        dkv = KV(torch.zeros_like(kv.k, dtype=dtype), torch.zeros_like(kv.v, dtype=dtype))
     pending = walk.post_kv(1)
     step_backward(walk.plan.own.on(q.device), run, saved, walk.own, dq, dkv)
     home = None
@@ -128,13 +168,16 @@ def backward_packed(run: Run, dout, q, kv, out, lse) -> tuple[torch.Tensor, torc
         if st is not None:
             part = None
             if buf is not None:
-                part = torch.zeros((st.recv.n, *dkv.shape[1:]), dtype=dkv.dtype, device=q.device)
+                part = _partial(kv, st.recv.n, dtype, True)
                 step_backward(st.plan.on(q.device), run, saved, buf, dq, part)
-            back = dkv.new_empty((st.send.n, *dkv.shape[1:])) if st.send.n else None
-            sends = [(st.src, part)] if part is not None else []
-            batch = walk.home.post(sends, [(st.dst, back)] if back is not None else []) if walk.home else []
+            del buf, keep  # the consumed block: freed before the next one arrives
+            back = _partial(kv, st.send.n, dtype, False) if st.send.n else None
+            sends = [(st.src, part.packed)] if part is not None else []
+            recvs = [(st.dst, back.packed)] if back is not None else []
+            batch = walk.home.post(sends, recvs) if walk.home else []
             _land(home, dkv)
             home = (batch, back, st.send, part)
+            del part, back
         pending = nxt
     _land(home, dkv)
     return dq.result(), dkv

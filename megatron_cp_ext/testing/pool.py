@@ -6,7 +6,8 @@ use, keeps it for the whole session and ships each case to every worker as a pic
 ``(fn, args)``. ``fn(rank, world_size, *args)`` runs with the default process group already
 initialised (gloo, CPU). A case that raises on any rank raises in the caller with that rank's
 traceback; a case that hangs (mismatched collectives) is killed after ``timeout`` seconds
-and the pool is rebuilt, so one bad case cannot wedge the suite.
+(counted once the pool is up: starting it is not the case's time) and the pool is rebuilt,
+so one bad case cannot wedge the suite.
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ import torch.multiprocessing as mp
 __all__ = ["run_on_ranks", "shutdown_pools"]
 
 _POOLS: dict[int, _Pool] = {}
+_READY = "ready"
+"""What a worker reports once its process group is up (before it takes any case)."""
+_START_TIMEOUT = 900.0
+"""Seconds a pool may take to start (spawn, import torch, rendezvous) on a loaded machine."""
 
 
 def _free_port() -> int:
@@ -43,6 +48,7 @@ def _worker(rank: int, world_size: int, port: int, path: list[str], tasks, resul
     import torch.distributed as dist
 
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    results.put((rank, True, _READY))
     while True:
         task = tasks.get()
         if task is None:
@@ -72,6 +78,26 @@ class _Pool:
         ]
         for p in self.procs:
             p.start()
+        self._await_ready()
+
+    def _await_ready(self) -> None:
+        """Wait until every worker has imported torch and joined the process group.
+
+        Spawning and rendezvous take seconds, minutes on a loaded machine; counted against a
+        case's ``timeout`` they would make the first case of each world size look hung."""
+        ready, deadline = 0, time.monotonic() + _START_TIMEOUT
+        while ready < self.world_size:
+            try:
+                rank, ok, value = self.results.get(timeout=1.0)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
+                if dead or time.monotonic() > deadline:
+                    self.close()
+                    why = f"worker ranks {dead} died" if dead else f"not up within {_START_TIMEOUT}s"
+                    raise RuntimeError(f"pool of {self.world_size}: {why} while starting") from None
+                continue
+            assert ok and value == _READY, f"rank {rank} sent {value!r} before it was ready"
+            ready += 1
 
     def run(self, fn: Callable, args: tuple, timeout: float) -> list[Any]:
         for q in self.tasks:
