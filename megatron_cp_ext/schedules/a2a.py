@@ -23,9 +23,10 @@ import numpy as np
 import torch
 
 from ..masks import MaskSpec
+from ..ops import LSE_FLOOR
 from ..sharding import CPSharding
 from . import p2p
-from .common import KV, GradAcc, Run, acc_dtype, apply_sink, new_accumulators, sink_grad, take
+from .common import KV, GradAcc, OutAcc, Run, acc_dtype, apply_sink, new_accumulators, sink_grad, step_forward, take
 from .heads import from_heads, split_heads, to_heads
 
 __all__ = ["A2APlan", "build_plan", "group_union", "attention", "split_heads"]
@@ -123,7 +124,13 @@ class _A2AAttention(torch.autograd.Function):
         kv_h = to_heads(torch.cat([k, v], dim=-1), kv_parts, plan.counts, me, a2a_group).index_select(0, perm)
         q_h = to_heads(q, q_parts, plan.counts, me, a2a_group).index_select(0, perm)
         h0, h1 = q_parts[me]
-        if h1 > h0:
+        if h1 > h0 and len(run.ring.plan.counts) == 1:  # plain a2a: a ring of one
+            calls = run.ring.plan.own.on(q.device)
+            acc = _OnlyOut(q_h, v.shape[-1], len(calls) == 1)
+            step_forward(calls, run.ring, q_h, KV.of(kv_h, dk), acc)
+            out_h, lse = acc.result()
+            del acc
+        elif h1 > h0:
             out_h, lse = p2p.forward(run.ring, q_h, kv_h[..., :dk], kv_h[..., dk:], kv=kv_h)
             if offset is not None:
                 out_h, lse = apply_sink(out_h, lse, offset[h0:h1])
@@ -197,6 +204,25 @@ def _pack_home(dk_h: torch.Tensor, dv_h: torch.Tensor, inv: torch.Tensor, dtype:
         else:
             cols.copy_(x.index_select(0, inv))
     return packed
+
+
+class _OnlyOut(OutAcc):
+    """The forward's :class:`OutAcc` that, for the only kernel call covering every query, adopts
+    the kernel's output in its own dtype (a 16-bit one included): merging a single partial
+    into an empty accumulator returns that partial, so the fp32 accumulator and the partial's
+    fp32 copy (three 16-bit outputs' worth) would only cost memory and ops."""
+
+    def __init__(self, q: torch.Tensor, dv: int, only: bool) -> None:
+        super().__init__(q, dv)
+        self.only = only
+
+    def merge(self, sl, idx, o: torch.Tensor, lse_c: torch.Tensor) -> None:
+        whole = self.only and self.out is None and sl == (0, self.q.shape[0]) and o.is_contiguous()
+        if whole and lse_c.dtype == acc_dtype(self.q):
+            self.out = o  # empty rows: the kernel's infinite lse becomes the floor, as in OutAcc
+            self.lse = lse_c.nan_to_num_(nan=float("nan"), posinf=LSE_FLOOR, neginf=LSE_FLOOR)
+            return
+        super().merge(sl, idx, o, lse_c)
 
 
 class _OnlyCall(GradAcc):
