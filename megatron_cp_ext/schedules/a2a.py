@@ -27,7 +27,7 @@ from ..ops import LSE_FLOOR
 from ..sharding import CPSharding
 from . import p2p
 from .common import KV, GradAcc, OutAcc, Run, acc_dtype, apply_sink, new_accumulators, sink_grad, step_forward, take
-from .heads import from_heads, split_heads, to_heads
+from .heads import from_heads, head_room, split_heads, to_heads
 
 __all__ = ["A2APlan", "build_plan", "group_union", "attention", "split_heads"]
 
@@ -121,8 +121,8 @@ class _A2AAttention(torch.autograd.Function):
         plan: A2APlan = run.plan
         q_parts, kv_parts = heads
         me, perm, dk = plan.member, plan.perms_on(q.device)[0], k.shape[-1]
-        kv_h = to_heads(torch.cat([k, v], dim=-1), kv_parts, plan.counts, me, a2a_group).index_select(0, perm)
-        q_h = to_heads(q, q_parts, plan.counts, me, a2a_group).index_select(0, perm)
+        kv_h = to_heads(torch.cat([k, v], dim=-1), kv_parts, plan.counts, me, a2a_group, perm)
+        q_h = to_heads(q, q_parts, plan.counts, me, a2a_group, perm)
         h0, h1 = q_parts[me]
         if h1 > h0 and len(run.ring.plan.counts) == 1:  # plain a2a: a ring of one
             calls = run.ring.plan.own.on(q.device)
@@ -137,9 +137,10 @@ class _A2AAttention(torch.autograd.Function):
         else:  # a member without heads computes nothing (its peers in the other groups neither)
             out_h, lse = new_accumulators(q_h, v.shape[-1])
         out_h = out_h.to(q.dtype)  # a 16-bit output: the fp32 accumulator freed before the permutation
-        send = [out_h.index_select(0, plan.perms_on(q.device)[1])]
+        room = [head_room(*out_h.shape[:2], out_h.shape[2:], q.shape[0], q.shape[1], out_h)]
+        send = [_permuted(out_h, plan.perms_on(q.device)[1], room[0])]
         del out_h  # the accumulator: freed once permuted
-        y = from_heads(send, q_parts, plan.counts, me, a2a_group, q.shape[0], q.shape[1])
+        y = from_heads(send, q_parts, plan.counts, me, a2a_group, q.shape[0], q.shape[1], room)
         # the output itself is saved (the next layer keeps it anyway), not a head-sharded copy;
         # backward moves it back to heads in the same all-to-all as dout
         ctx.save_for_backward(q_h, kv_h, lse, offset, y)
@@ -155,8 +156,8 @@ class _A2AAttention(torch.autograd.Function):
         perm, inv = plan.perms_on(dout.device)
         # two all-to-alls rather than one of [dout | out]: the concatenation would hold two
         # more copies of both at once
-        dout_h = to_heads(dout.contiguous(), q_parts, plan.counts, me, group).index_select(0, perm)
-        out_h = to_heads(y, q_parts, plan.counts, me, group).index_select(0, perm)
+        dout_h = to_heads(dout.contiguous(), q_parts, plan.counts, me, group, perm, exact=False)
+        out_h = to_heads(y, q_parts, plan.counts, me, group, perm, exact=False)
         h0, h1 = q_parts[me]
         d_off = None
         replicated = _overlap(kv_parts)
@@ -172,16 +173,19 @@ class _A2AAttention(torch.autograd.Function):
             if h1 > h0:
                 d_off[h0:h1] = sink_grad(dout_h, out_h, lse, offset[h0:h1]).to(offset.dtype)
         del dout_h, out_h  # consumed: freed before the gradients are moved back to tokens
-        send = [dq_h.to(dtype).index_select(0, inv)]
+        dq_h = dq_h.to(dtype)
+        room = [head_room(*dq_h.shape[:2], dq_h.shape[2:], ctx.t, ctx.hq, dq_h)]
+        send = [_permuted(dq_h, inv, room[0])]
         del dq_h
-        dq = from_heads(send, q_parts, plan.counts, me, group, ctx.t, ctx.hq)
+        dq = from_heads(send, q_parts, plan.counts, me, group, ctx.t, ctx.hq, room)
         if dkv_h is not None:  # the ring's packed dK|dV
             send = [dkv_h.index_select(0, inv)]
             del dkv_h
         else:
-            send = [_pack_home(dk_h, dv_h, inv, acc_dtype(q_h) if replicated else None)]
+            room = [_pack_home(dk_h, dv_h, inv, acc_dtype(q_h) if replicated else None, ctx.t, ctx.hkv)]
+            send = [room[0][: dk_h.shape[0] * dk_h.shape[1] * kv_h.shape[-1]].view(*dk_h.shape[:2], kv_h.shape[-1])]
             del dk_h, dv_h
-        dkv = from_heads(send, kv_parts, plan.counts, me, group, ctx.t, ctx.hkv).to(dtype)
+        dkv = from_heads(send, kv_parts, plan.counts, me, group, ctx.t, ctx.hkv, room).to(dtype)
         return dq, dkv[..., :dk], dkv[..., dk:], d_off, None, None, None
 
 
@@ -190,20 +194,26 @@ def _overlap(parts: tuple[tuple[int, int], ...]) -> bool:
     return len({r for a, b in parts for r in range(a, b)}) < sum(b - a for a, b in parts)
 
 
-def _pack_home(dk_h: torch.Tensor, dv_h: torch.Tensor, inv: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+def _permuted(x: torch.Tensor, inv: torch.Tensor, room: torch.Tensor) -> torch.Tensor:
+    """``x[inv]`` written into the first elements of ``room`` (a :func:`.heads.head_room`)."""
+    return torch.index_select(x, 0, inv, out=room[: x.numel()].view(x.shape))
+
+
+def _pack_home(dk_h, dv_h, inv: torch.Tensor, dtype: torch.dtype | None, t: int, hkv: int) -> torch.Tensor:
     """dK and dV rows in token-member order, packed side by side into one ``[T, Hk, D + Dv]``
-    send buffer (one all-to-all home) by two row gathers straight into its halves. ``dtype``:
-    the buffer's (replicated KV heads travel home in fp32 and are summed there), else the
-    wider of dK's and dV's."""
-    dk = dk_h.shape[-1]
-    dtype = dtype or torch.promote_types(dk_h.dtype, dv_h.dtype)
-    packed = dk_h.new_empty((*dk_h.shape[:-1], dk + dv_h.shape[-1]), dtype=dtype)
+    send buffer (one all-to-all home) by two row gathers straight into its halves; returned as
+    the :func:`.heads.head_room` holding it. ``dtype``: the buffer's (replicated KV heads travel
+    home in fp32 and are summed there), else the wider of dK's and dV's."""
+    dk, shape = dk_h.shape[-1], (*dk_h.shape[:2], dk_h.shape[-1] + dv_h.shape[-1])
+    like = dk_h.new_empty(0, dtype=dtype or torch.promote_types(dk_h.dtype, dv_h.dtype))
+    room = head_room(*shape[:2], shape[2:], t, hkv, like)
+    packed = room[: torch.Size(shape).numel()].view(shape)
     for x, cols in ((dk_h, packed[..., :dk]), (dv_h, packed[..., dk:])):
         if x.dtype == packed.dtype:
             torch.index_select(x, 0, inv, out=cols)
         else:
             cols.copy_(x.index_select(0, inv))
-    return packed
+    return room
 
 
 class _OnlyOut(OutAcc):
