@@ -205,8 +205,7 @@ def _pack_home(dk_h, dv_h, inv: torch.Tensor, dtype: torch.dtype | None, t: int,
     the :func:`.heads.head_room` holding it. ``dtype``: the buffer's (replicated KV heads travel
     home in fp32 and are summed there), else the wider of dK's and dV's."""
     dk, shape = dk_h.shape[-1], (*dk_h.shape[:2], dk_h.shape[-1] + dv_h.shape[-1])
-    like = dk_h.new_empty(0, dtype=dtype or torch.promote_types(dk_h.dtype, dv_h.dtype))
-    room = head_room(*shape[:2], shape[2:], t, hkv, like)
+    room = head_room(*shape[:2], shape[2:], t, hkv, dk_h, dtype or torch.promote_types(dk_h.dtype, dv_h.dtype))
     packed = room[: torch.Size(shape).numel()].view(shape)
     for x, cols in ((dk_h, packed[..., :dk]), (dv_h, packed[..., dk:])):
         if x.dtype == packed.dtype:

@@ -101,12 +101,15 @@ def to_heads(
     return out
 
 
-def head_room(rows: int, h_me: int, tail: torch.Size, t: int, heads: int, like: torch.Tensor) -> torch.Tensor:
-    """A flat buffer (``like``'s dtype and device) that holds ``[rows, h_me, *tail]`` — what
-    :func:`from_heads` sends — and also fits its ``[t, heads, *tail]`` result: the result is
-    then written where the sent rows were, and the move holds two buffers, not three."""
+def head_room(
+    rows: int, h_me: int, tail: torch.Size, t: int, heads: int, like: torch.Tensor, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """A flat buffer (``like``'s device, ``dtype`` or ``like``'s) that holds ``[rows, h_me,
+    *tail]`` — what :func:`from_heads` sends — and also fits its ``[t, heads, *tail]`` result:
+    the result is then written where the sent rows were, and the move holds two buffers, not
+    three."""
     width = int(torch.Size(tail).numel())
-    return like.new_empty(max(rows * h_me, t * heads) * width)
+    return like.new_empty(max(rows * h_me, t * heads) * width, dtype=dtype or like.dtype)
 
 
 def from_heads(
