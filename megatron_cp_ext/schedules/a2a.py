@@ -132,9 +132,9 @@ class _A2AAttention(torch.autograd.Function):
             del acc
         elif h1 > h0:
             out_h, lse = p2p.forward(run.ring, q_h, kv_h[..., :dk], kv_h[..., dk:], kv=kv_h)
-            if offset is not None:
-                out_h, lse = apply_sink(out_h, lse, offset[h0:h1])
-        else:  # a member without heads computes nothing (its peers in the other groups neither)
+        if h1 > h0 and offset is not None:
+            out_h, lse = apply_sink(out_h, lse, offset[h0:h1])
+        if h1 <= h0:  # a member without heads computes nothing (its peers in the other groups neither)
             out_h, lse = new_accumulators(q_h, v.shape[-1])
         out_h = out_h.to(q.dtype)  # a 16-bit output: the fp32 accumulator freed before the permutation
         room = [head_room(*out_h.shape[:2], out_h.shape[2:], q.shape[0], q.shape[1], out_h)]
