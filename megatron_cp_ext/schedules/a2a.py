@@ -163,7 +163,7 @@ class _A2AAttention(torch.autograd.Function):
         replicated = _overlap(kv_parts)
         dkv_h = None
         if h1 > h0 and len(ctx.run.ring.plan.counts) == 1:  # plain a2a: a ring of one
-            dq_h, dk_h, dv_h = _own_backward(ctx.run.ring, dout_h, q_h, kv_h, out_h, lse, replicated)
+            dq_h, dk_h, dv_h = _own_backward(ctx.run.ring, dout_h, q_h, kv_h, out_h, lse)
         elif h1 > h0:
             dq_h, dkv_h = p2p.backward_packed(ctx.run.ring, dout_h, q_h, kv_h, out_h, lse)  # fp32 / fp64
         else:
@@ -251,17 +251,17 @@ class _OnlyCall(GradAcc):
         super().add(sl, idx, src)
 
 
-def _own_backward(ring: Run, dout, q, kv, out, lse, replicated: bool):
+def _own_backward(ring: Run, dout, q, kv, out, lse):
     """Backward of a ring of one (plain a2a): the own block's calls, with dq, dK and dV each
     adopted from the first kernel partial that covers every row (a2a's single call), so no
     zero-filled packed dK|dV accumulator is alive at the kernel call (-0.2 of the ideal at
     cp 4). Returns ``dq, dk, dv`` in the accumulator dtype, or the kernel's own dtype where a
-    single call computed them (replicated KV heads: always the accumulator dtype, for the sum)."""
+    single call computed them. Replicated KV heads need no fp32 accumulator here either: one
+    16-bit partial widens exactly when it is packed to travel home in fp32 for the sum."""
     calls = ring.plan.own.on(q.device)
     own = KV.of(kv, ring.dk)
     only = len(calls) == 1
-    kv_only = only and not replicated
-    dq, dk, dv = _OnlyCall(q, only), _OnlyCall(own.k, kv_only), _OnlyCall(own.v, kv_only)
+    dq, dk, dv = _OnlyCall(q, only), _OnlyCall(own.k, only), _OnlyCall(own.v, only)
     for c in calls:
         qs, ks = (c.q_slice, c.q_index), (c.k_slice, c.k_index)
         k_c, v_c = own.take(*ks)
