@@ -23,10 +23,11 @@ import numpy as np
 import torch
 
 from ..masks import MaskSpec
+from ..ops import LSE_FLOOR
 from ..sharding import CPSharding
 from . import p2p
-from .common import Run, acc_dtype, apply_sink, new_accumulators, sink_grad
-from .heads import from_heads, split_heads, to_heads
+from .common import KV, GradAcc, OutAcc, Run, acc_dtype, apply_sink, new_accumulators, sink_grad, step_forward, take
+from .heads import from_heads, head_room, split_heads, to_heads
 
 __all__ = ["A2APlan", "build_plan", "group_union", "attention", "split_heads"]
 
@@ -120,18 +121,26 @@ class _A2AAttention(torch.autograd.Function):
         plan: A2APlan = run.plan
         q_parts, kv_parts = heads
         me, perm, dk = plan.member, plan.perms_on(q.device)[0], k.shape[-1]
-        kv_h = to_heads(torch.cat([k, v], dim=-1), kv_parts, plan.counts, me, a2a_group).index_select(0, perm)
-        q_h = to_heads(q, q_parts, plan.counts, me, a2a_group).index_select(0, perm)
+        kv_h = to_heads(torch.cat([k, v], dim=-1), kv_parts, plan.counts, me, a2a_group, perm)
+        q_h = to_heads(q, q_parts, plan.counts, me, a2a_group, perm)
         h0, h1 = q_parts[me]
-        if h1 > h0:
+        if h1 > h0 and len(run.ring.plan.counts) == 1:  # plain a2a: a ring of one
+            calls = run.ring.plan.own.on(q.device)
+            acc = _OnlyOut(q_h, v.shape[-1], len(calls) == 1)
+            step_forward(calls, run.ring, q_h, KV.of(kv_h, dk), acc)
+            out_h, lse = acc.result()
+            del acc
+        elif h1 > h0:
             out_h, lse = p2p.forward(run.ring, q_h, kv_h[..., :dk], kv_h[..., dk:], kv=kv_h)
-            if offset is not None:
-                out_h, lse = apply_sink(out_h, lse, offset[h0:h1])
-        else:  # a member without heads computes nothing (its peers in the other groups neither)
+        if h1 > h0 and offset is not None:
+            out_h, lse = apply_sink(out_h, lse, offset[h0:h1])
+        if h1 <= h0:  # a member without heads computes nothing (its peers in the other groups neither)
             out_h, lse = new_accumulators(q_h, v.shape[-1])
-        send = [out_h.to(q.dtype).index_select(0, plan.perms_on(q.device)[1])]
+        out_h = out_h.to(q.dtype)  # a 16-bit output: the fp32 accumulator freed before the permutation
+        room = [head_room(*out_h.shape[:2], out_h.shape[2:], q.shape[0], q.shape[1], out_h)]
+        send = [_permuted(out_h, plan.perms_on(q.device)[1], room[0])]
         del out_h  # the accumulator: freed once permuted
-        y = from_heads(send, q_parts, plan.counts, me, a2a_group, q.shape[0], q.shape[1])
+        y = from_heads(send, q_parts, plan.counts, me, a2a_group, q.shape[0], q.shape[1], room)
         # the output itself is saved (the next layer keeps it anyway), not a head-sharded copy;
         # backward moves it back to heads in the same all-to-all as dout
         ctx.save_for_backward(q_h, kv_h, lse, offset, y)
@@ -147,28 +156,125 @@ class _A2AAttention(torch.autograd.Function):
         perm, inv = plan.perms_on(dout.device)
         # two all-to-alls rather than one of [dout | out]: the concatenation would hold two
         # more copies of both at once
-        dout_h = to_heads(dout.contiguous(), q_parts, plan.counts, me, group).index_select(0, perm)
-        out_h = to_heads(y, q_parts, plan.counts, me, group).index_select(0, perm)
+        dout_h = to_heads(dout.contiguous(), q_parts, plan.counts, me, group, perm, exact=False)
+        out_h = to_heads(y, q_parts, plan.counts, me, group, perm, exact=False)
         h0, h1 = q_parts[me]
         d_off = None
-        if h1 > h0:
+        replicated = _overlap(kv_parts)
+        dkv_h = None
+        if h1 > h0 and len(ctx.run.ring.plan.counts) == 1:  # plain a2a: a ring of one
+            dq_h, dk_h, dv_h = _own_backward(ctx.run.ring, dout_h, q_h, kv_h, out_h, lse)
+        elif h1 > h0:
             dq_h, dkv_h = p2p.backward_packed(ctx.run.ring, dout_h, q_h, kv_h, out_h, lse)  # fp32 / fp64
-            if offset is not None and ctx.needs_input_grad[3]:
-                d_off = torch.zeros_like(offset)
-                d_off[h0:h1] = sink_grad(dout_h, out_h, lse, offset[h0:h1]).to(offset.dtype)
         else:
             dq_h, dkv_h = torch.zeros_like(q_h, dtype=acc_dtype(q_h)), torch.zeros_like(kv_h, dtype=acc_dtype(q_h))
-        if offset is not None and ctx.needs_input_grad[3] and d_off is None:
+        if offset is not None and ctx.needs_input_grad[3]:
             d_off = torch.zeros_like(offset)
+            if h1 > h0:
+                d_off[h0:h1] = sink_grad(dout_h, out_h, lse, offset[h0:h1]).to(offset.dtype)
         del dout_h, out_h  # consumed: freed before the gradients are moved back to tokens
-        send = [dq_h.to(dtype).index_select(0, inv)]
+        dq_h = dq_h.to(dtype)
+        room = [head_room(*dq_h.shape[:2], dq_h.shape[2:], ctx.t, ctx.hq, dq_h)]
+        send = [_permuted(dq_h, inv, room[0])]
         del dq_h
-        dq = from_heads(send, q_parts, plan.counts, me, group, ctx.t, ctx.hq)
-        # replicated KV heads travel home in fp32 and are summed there, then rounded once
-        send = [dkv_h.index_select(0, inv)]
-        del dkv_h
-        dkv = from_heads(send, kv_parts, plan.counts, me, group, ctx.t, ctx.hkv).to(dtype)
+        dq = from_heads(send, q_parts, plan.counts, me, group, ctx.t, ctx.hq, room)
+        if dkv_h is not None:  # the ring's packed dK|dV
+            send = [dkv_h.index_select(0, inv)]
+            del dkv_h
+        else:
+            room = [_pack_home(dk_h, dv_h, inv, acc_dtype(q_h) if replicated else None, ctx.t, ctx.hkv)]
+            send = [room[0][: dk_h.shape[0] * dk_h.shape[1] * kv_h.shape[-1]].view(*dk_h.shape[:2], kv_h.shape[-1])]
+            del dk_h, dv_h
+        dkv = from_heads(send, kv_parts, plan.counts, me, group, ctx.t, ctx.hkv, room).to(dtype)
         return dq, dkv[..., :dk], dkv[..., dk:], d_off, None, None, None
+
+
+def _overlap(parts: tuple[tuple[int, int], ...]) -> bool:
+    """Whether members' head ranges overlap (replicated KV heads, summed on the way home)."""
+    return len({r for a, b in parts for r in range(a, b)}) < sum(b - a for a, b in parts)
+
+
+def _permuted(x: torch.Tensor, inv: torch.Tensor, room: torch.Tensor) -> torch.Tensor:
+    """``x[inv]`` written into the first elements of ``room`` (a :func:`.heads.head_room`)."""
+    return torch.index_select(x, 0, inv, out=room[: x.numel()].view(x.shape))
+
+
+def _pack_home(dk_h, dv_h, inv: torch.Tensor, dtype: torch.dtype | None, t: int, hkv: int) -> torch.Tensor:
+    """dK and dV rows in token-member order, packed side by side into one ``[T, Hk, D + Dv]``
+    send buffer (one all-to-all home) by two row gathers straight into its halves; returned as
+    the :func:`.heads.head_room` holding it. ``dtype``: the buffer's (replicated KV heads travel
+    home in fp32 and are summed there), else the wider of dK's and dV's."""
+    dk, shape = dk_h.shape[-1], (*dk_h.shape[:2], dk_h.shape[-1] + dv_h.shape[-1])
+    room = head_room(*shape[:2], shape[2:], t, hkv, dk_h, dtype or torch.promote_types(dk_h.dtype, dv_h.dtype))
+    packed = room[: torch.Size(shape).numel()].view(shape)
+    for x, cols in ((dk_h, packed[..., :dk]), (dv_h, packed[..., dk:])):
+        if x.dtype == packed.dtype:
+            torch.index_select(x, 0, inv, out=cols)
+        else:
+            cols.copy_(x.index_select(0, inv))
+    return room
+
+
+class _OnlyOut(OutAcc):
+    """The forward's :class:`OutAcc` that, for the only kernel call covering every query, adopts
+    the kernel's output in its own dtype (a 16-bit one included): merging a single partial
+    into an empty accumulator returns that partial, so the fp32 accumulator and the partial's
+    fp32 copy (three 16-bit outputs' worth) would only cost memory and ops."""
+
+    def __init__(self, q: torch.Tensor, dv: int, only: bool) -> None:
+        super().__init__(q, dv)
+        self.only = only
+
+    def merge(self, sl, idx, o: torch.Tensor, lse_c: torch.Tensor) -> None:
+        whole = self.only and self.out is None and sl == (0, self.q.shape[0]) and o.is_contiguous()
+        if whole and lse_c.dtype == acc_dtype(self.q):
+            self.out = o  # empty rows: the kernel's infinite lse becomes the floor, as in OutAcc
+            self.lse = lse_c.nan_to_num_(nan=float("nan"), posinf=LSE_FLOOR, neginf=LSE_FLOOR)
+            return
+        super().merge(sl, idx, o, lse_c)
+
+
+class _OnlyCall(GradAcc):
+    """A gradient accumulator that, for the step's only kernel call covering every row, adopts
+    the kernel's gradient in whatever dtype it comes (a 16-bit one included): one partial
+    rounded once is that partial, so an fp32 copy would only cost memory."""
+
+    def __init__(self, like: torch.Tensor, only: bool) -> None:
+        super().__init__(like)
+        self.only = only
+
+    def add(self, sl: tuple[int, int] | None, idx: torch.Tensor | None, src: torch.Tensor) -> None:
+        whole = self.only and sl == (0, self.shape[0]) and src.shape == self.shape and src.is_contiguous()
+        if self.t is None and whole:
+            self.t = src
+            return
+        super().add(sl, idx, src)
+
+
+def _own_backward(ring: Run, dout, q, kv, out, lse):
+    """Backward of a ring of one (plain a2a): the own block's calls, with dq, dK and dV each
+    adopted from the first kernel partial that covers every row (a2a's single call), so no
+    zero-filled packed dK|dV accumulator is alive at the kernel call (-0.2 of the ideal at
+    cp 4). Returns ``dq, dk, dv`` in the accumulator dtype, or the kernel's own dtype where a
+    single call computed them. Replicated KV heads need no fp32 accumulator here either: one
+    16-bit partial widens exactly when it is packed to travel home in fp32 for the sum."""
+    calls = ring.plan.own.on(q.device)
+    own = KV.of(kv, ring.dk)
+    only = len(calls) == 1
+    dq, dk, dv = _OnlyCall(q, only), _OnlyCall(own.k, only), _OnlyCall(own.v, only)
+    for c in calls:
+        qs, ks = (c.q_slice, c.q_index), (c.k_slice, c.k_index)
+        k_c, v_c = own.take(*ks)
+        g_q, g_k, g_v = ring.backend.attn_bwd(
+            take(dout, *qs), take(q, *qs), k_c, v_c, take(out, *qs), take(lse, *qs),
+            c.cu_seqlens_q, c.cu_seqlens_k, c.max_seqlen_q, c.max_seqlen_k, c.causal, c.window, ring.scale,
+        )  # fmt: skip
+        del k_c, v_c
+        dq.add(*qs, g_q)
+        dk.add(*ks, g_k)
+        dv.add(*ks, g_v)
+        del g_q, g_k, g_v
+    return dq.result(), dk.result(), dv.result()
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["split_heads", "to_heads", "from_heads"]
+__all__ = ["split_heads", "to_heads", "from_heads", "head_room"]
 
 Range = tuple[int, int]
 
@@ -51,12 +51,13 @@ def _a2a_flat(flat: torch.Tensor, send_sizes: list[int], recv_sizes: list[int], 
     return out
 
 
-def _pack_heads(x: torch.Tensor, parts: tuple[Range, ...]) -> tuple[torch.Tensor, list[int]]:
+def _pack_heads(x: torch.Tensor, parts: tuple[Range, ...], room: int = 0) -> tuple[torch.Tensor, list[int]]:
     """``x[:, a:b]`` of every member's range, back to back in one flat buffer: one copy (a
-    ``cat`` of reshaped strided slices would copy twice)."""
+    ``cat`` of reshaped strided slices would copy twice). The buffer holds at least ``room``
+    elements (the packed pieces are its first ones)."""
     t, width = x.shape[0], int(torch.Size(x.shape[2:]).numel())
     sizes = [t * (b - a) * width for a, b in parts]
-    flat = x.new_empty(sum(sizes))
+    flat = x.new_empty(max(sum(sizes), room))
     off = 0
     for (a, b), n in zip(parts, sizes):
         flat[off : off + n].view(t, b - a, *x.shape[2:]).copy_(x[:, a:b])
@@ -64,18 +65,51 @@ def _pack_heads(x: torch.Tensor, parts: tuple[Range, ...]) -> tuple[torch.Tensor
     return flat, sizes
 
 
-def to_heads(x: torch.Tensor, parts: tuple[Range, ...], counts: list[int], me: int, group) -> torch.Tensor:
+def to_heads(
+    x: torch.Tensor,
+    parts: tuple[Range, ...],
+    counts: list[int],
+    me: int,
+    group,
+    perm: torch.Tensor | None = None,
+    exact: bool = True,
+) -> torch.Tensor:
     """``[t, H, D]`` (own tokens, all heads) -> ``[T_group, h_me, D]`` (every member's tokens of
-    this member's heads ``parts[me]``, member after member: a view of the receive buffer)."""
+    this member's heads ``parts[me]``, member after member: a view of the receive buffer).
+
+    ``perm``: the result's rows are ``received[perm]`` instead, gathered into the send buffer
+    once the all-to-all has sent it (sized for both), so the move and the reordering hold two
+    buffers, not three: the receive buffer is freed on return. ``exact``: only where the send
+    buffer is no larger than the result (a tensor saved for backward keeps its own size); else
+    the send buffer may be a little larger than the result (members' token counts differ)."""
     a0, a1 = parts[me]
     if group is None:
-        return x[:, a0:a1]
+        return x[:, a0:a1] if perm is None else x[:, a0:a1].index_select(0, perm)
     d = x.shape[2:]
     h_me = a1 - a0
     width = h_me * int(torch.Size(d).numel())
-    flat, sizes = _pack_heads(x, parts)
-    got = _a2a_flat(flat, sizes, [n * width for n in counts], group)
-    return got.view(sum(counts), h_me, *d)
+    rows = sum(counts)
+    flat, sizes = _pack_heads(x, parts, rows * width if perm is not None else 0)
+    got = _a2a_flat(flat[: sum(sizes)], sizes, [n * width for n in counts], group).view(rows, h_me, *d)
+    if perm is None:
+        return got
+    if exact and flat.numel() > rows * width:
+        del flat
+        return got.index_select(0, perm)
+    out = flat[: rows * width].view(rows, h_me, *d)
+    torch.index_select(got, 0, perm, out=out)
+    return out
+
+
+def head_room(
+    rows: int, h_me: int, tail: torch.Size, t: int, heads: int, like: torch.Tensor, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """A flat buffer (``like``'s device, ``dtype`` or ``like``'s) that holds ``[rows, h_me,
+    *tail]`` — what :func:`from_heads` sends — and also fits its ``[t, heads, *tail]`` result:
+    the result is then written where the sent rows were, and the move holds two buffers, not
+    three."""
+    width = int(torch.Size(tail).numel())
+    return like.new_empty(max(rows * h_me, t * heads) * width, dtype=dtype or like.dtype)
 
 
 def from_heads(
@@ -86,15 +120,19 @@ def from_heads(
     group,
     t: int,
     heads: int,
+    room: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Inverse of :func:`to_heads`: ``[T_group, h_me, D]`` -> ``[t, heads, D]``. Where members'
     ranges overlap (replicated KV heads), their contributions are summed in ``y``'s dtype.
 
     ``y`` may be handed over in a one-element list: it is then taken out and freed as soon as
     it is sent, before the result is assembled (an argument stays alive until the call returns).
+    ``room``: a one-element list holding the :func:`head_room` buffer ``y`` is a view of (its
+    first elements); the result is then written into it once ``y`` is sent.
     """
     if isinstance(y, list):
         y = y.pop()
+    store = room.pop() if room else None
     d = y.shape[2:]
     if group is None:
         out = y.new_zeros((t, heads, *d))
@@ -106,12 +144,17 @@ def from_heads(
     send = [n * width for n in counts]
     dtype, y = y.dtype, y.contiguous().view(-1)
     flat = _a2a_flat(y, send, sizes, group)
-    del y  # the send buffer: freed before the result is allocated
+    del y  # the send buffer: freed before the result is allocated (or reused for it)
     got = flat.split(sizes)
+    numel = t * heads * int(torch.Size(d).numel())
+    fits = store is not None and store.dtype == dtype and store.numel() >= numel
+    out = store[:numel].view(t, heads, *d) if fits else None
+    del store
     overlap = len({r for a, b in parts for r in range(a, b)}) < sum(b - a for a, b in parts)
     if not overlap:
-        return torch.cat([g.view(t, b - a, *d) for g, (a, b) in zip(got, parts)], dim=1)
-    out = flat.new_zeros((t, heads, *d), dtype=dtype)
+        pieces = [g.view(t, b - a, *d) for g, (a, b) in zip(got, parts)]
+        return torch.cat(pieces, dim=1) if out is None else torch.cat(pieces, dim=1, out=out)
+    out = flat.new_zeros((t, heads, *d), dtype=dtype) if out is None else out.zero_()
     for g, (a, b) in zip(got, parts):
         out[:, a:b].add_(g.view(t, b - a, *d))
     return out
