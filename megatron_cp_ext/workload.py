@@ -67,7 +67,7 @@ class Probes(NamedTuple):
     cost: dict
     """``x -> (work, cut cost)`` of ``x`` tokens off the front and the rest off the back."""
     three: dict
-    """``(y, q, i) -> (work, cut cost, x) or None``: the probes of :meth:`_Stream._three`."""
+    """``(y, q) -> {i: (work, cut cost, x) or None}``: the probes of :meth:`_Stream._three`."""
 
 
 class Step(NamedTuple):
@@ -85,14 +85,24 @@ class Step(NamedTuple):
 def _work(n: int, x: int, lo: int, up: int) -> int:
     """Visible pairs of the first ``x`` queries of a unit of ``n`` tokens under band (lo, up)
     (scalar :func:`.geometry.work_prefix`, pure Python and memoised: the searches probe the
-    same boundaries again and again)."""
-    a, b = min(up, BIG), -min(lo, BIG)
-    i0 = min(max(-a, 0), x)
-    i1 = min(max(n - b, i0), x)
-    m = min(max(n - 1 - a, i0), i1)
-    s = lambda u, v: (v * (v - 1) - u * (u - 1)) // 2  # noqa: E731 - sum(range(u, v))
-    p = min(max(-b, i0), i1)
-    return s(i0, m) + (m - i0) * a + (i1 - m) * (n - 1) - s(p, i1) - (i1 - p) * b + (i1 - i0)
+    same boundaries again and again; branches instead of min/max calls, as it is hot)."""
+    a = up if up < BIG else BIG
+    b = -lo if lo < BIG else -BIG
+    i0 = -a if -a > 0 else 0
+    if i0 > x:
+        i0 = x
+    i1 = n - b if n - b > i0 else i0
+    if i1 > x:
+        i1 = x
+    m = n - 1 - a if n - 1 - a > i0 else i0
+    if m > i1:
+        m = i1
+    p = -b if -b > i0 else i0
+    if p > i1:
+        p = i1
+    s_m = (m * (m - 1) - i0 * (i0 - 1)) // 2  # sum(range(i0, m))
+    s_p = (i1 * (i1 - 1) - p * (p - 1)) // 2  # sum(range(p, i1))
+    return s_m + (m - i0) * a + (i1 - m) * (n - 1) - s_p - (i1 - p) * b + (i1 - i0)
 
 
 def unit_table(lens: np.ndarray, chunk: int | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -218,12 +228,13 @@ class _Stream:
         piece of the same unit (the dual-chunk shape): the rank's one unaligned cut is then on
         the light side, in a short document, instead of between pieces of a long one."""
         _, j, pos = at_back(y)
-        (fents, ftok, _), (ents, tok, wk), memo = self.probes.front, self.probes.back, self.probes.three
+        (fents, ftok, fwk), (ents, tok, wk), memo = self.probes.front, self.probes.back, self.probes.three
         if pos is None or self._ugly(ents, j, pos) < 2:
             return None
         e = ents[j]
         _, k, a, b = e
-        n, lo, up, tol = self.ulen[k], self.lo, self.up, self.tolerance
+        ulen, lo, up, tol = self.ulen, self.lo, self.up, self.tolerance
+        n = ulen[k]
         w_a = _work(n, a, lo, up)
         cap = ftok[fents.index(e)] if e in fents else ftok[-1]  # light tokens before e
         best = None
@@ -236,18 +247,27 @@ class _Stream:
             base = tok[j] + b - q
             fixed = wk[j] + self.work(k, q, b)
 
-            def total(i: int, base=base, fixed=fixed, q=q):
-                """``(work, front cut cost, x)`` with a front piece of size ``f``; None where
-                the light side cannot supply the rest."""
-                got = memo.get((y, q, i), memo)
-                if got is memo:
+            seen = memo.setdefault((y, q), {})
+
+            def total(i: int, base=base, fixed=fixed, seen=seen):
+                """``(work, front cut cost, x)`` with the ``i``-th front piece; None where the
+                light side cannot supply the rest (inlined probes: this is the hot loop)."""
+                got = seen.get(i, seen)
+                if got is seen:
                     f = 0 if i == 0 else first + (i - 1) * TILE - a
                     x = t - base - f
                     got = None
                     if 0 <= x <= cap:
-                        wf, jf, pf = at_front(x)
-                        got = wf + fixed + (_work(n, a + f, lo, up) - w_a if f else 0), self._ugly(fents, jf, pf), x
-                    memo[y, q, i] = got
+                        jf = bisect.bisect_right(ftok, x) - 1
+                        wf, ugly = fwk[jf], 0
+                        if x != ftok[jf]:  # cut inside front entry jf (see _ugly)
+                            _, kf, af, _ = fents[jf]
+                            pf, nf = af + x - ftok[jf], ulen[kf]
+                            wf += _work(nf, pf, lo, up) - _work(nf, af, lo, up)
+                            if pf % TILE and pf != nf:
+                                ugly = 2 if nf > LONG * TILE else 1
+                        got = wf + fixed + (_work(n, a + f, lo, up) - w_a if f else 0), ugly, x
+                    seen[i] = got
                 return got
 
             lo_i, hi_i = 0, n_f - 1  # work grows with the front piece
