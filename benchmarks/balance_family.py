@@ -14,7 +14,9 @@ sharded by ``workload`` and ``dualchunk`` under every mask and planned for p2p t
   ``balance_pick.WORK_SLACK``, one token's share of work on ranks of a few hundred tokens);
 * ``tiles``: useful score entries over the tile area the kernels visit, and ``tiles/1`` the same
   over that of the batch unsharded (documents too short for full tiles bound both);
-* ``sent/need``, ``gathered`` (largest rank), ``plan ms`` (slowest rank), ``shard ms``.
+* ``sent/need``, ``gathered`` (largest rank), ``plan ms`` (slowest rank's plan build, as
+  ``inspect_plan`` times it), ``shard ms`` (CPU time of ``shard_sequences``); a time over
+  ``RECHECK_MS`` is measured once more and the smaller kept (the machine may be shared).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 import megatron_cp_ext as mcx
 from megatron_cp_ext.balance_pick import WORK_SLACK
 from megatron_cp_ext.batches import cu_seqlens, lognormal
+from megatron_cp_ext.workload import _work
 
 MASKS = {
     "causal": dict(causal=True),
@@ -61,12 +64,32 @@ def family(count: int, big: bool, seed: int) -> list[tuple[list[int], int]]:
     return out
 
 
+RECHECK_MS = 20.0
+"""Host times above this are measured once more and the smaller kept: the machine is shared,
+and one busy moment should not stand for the code's cost."""
+
+
+def _shard(cu, cp, balance, mask_kw):
+    """``(sharding, ms)``: CPU time of ``shard_sequences`` (re-measured above RECHECK_MS)."""
+    best = float("inf")
+    for _ in range(2):
+        _work.cache_clear()  # each run cold, as a fresh process would be
+        t0 = time.process_time()
+        sh = mcx.shard_sequences(cu, cp, balance, **mask_kw)
+        best = min(best, (time.process_time() - t0) * 1e3)
+        if best <= RECHECK_MS:
+            break
+    return sh, best
+
+
 def _plan(cu, cp, balance, mask_kw) -> dict:
-    t0 = time.perf_counter()
-    sh = mcx.shard_sequences(cu, cp, balance, **mask_kw)
-    shard_ms = (time.perf_counter() - t0) * 1e3
+    sh, shard_ms = _shard(cu, cp, balance, mask_kw)
     rep = mcx.inspect_plan(sh, "p2p", **mask_kw, **SHAPES)
     ranks = list(rep.ranks.values())
+    plan_ms = max(r.plan_ms for r in ranks)
+    if plan_ms > RECHECK_MS:  # the slowest rank's build, each rank's smaller of two
+        again = mcx.inspect_plan(sh, "p2p", **mask_kw, **SHAPES).ranks
+        plan_ms = max(min(r.plan_ms, again[k].plan_ms) for k, r in rep.ranks.items())
     return {
         "tok": rep.token_imbalance,
         "spread": max(rep.tokens) - min(rep.tokens),
@@ -74,7 +97,7 @@ def _plan(cu, cp, balance, mask_kw) -> dict:
         "tiles": rep.tile_efficiency,
         "sent/need": rep.sent_over_needed,
         "gathered": max(r.gathered_rows for r in ranks),
-        "plan ms": max(r.plan_ms for r in ranks),
+        "plan ms": plan_ms,
         "shard ms": shard_ms,
     }
 

@@ -32,7 +32,7 @@ import numpy as np
 
 from .geometry import TILE, bounds, chunk_units, tile_area, work_prefix
 from .masks import MaskSpec
-from .workload import TOLERANCE, workload_segments
+from .workload import TOLERANCE, Step, workload_segments
 
 __all__ = ["pick", "rank_work", "tile_estimate", "SEARCH_TOKENS"]
 
@@ -50,8 +50,43 @@ TOLERANCES = (TOLERANCE, 0.0, 3 * TOLERANCE)
 Segs = list[np.ndarray]
 
 
-def _units(lens: np.ndarray, per_rank: Segs, chunk: int | None):
-    """``(rank, unit, start, end, unit start, unit length)`` of every piece, cut at chunks."""
+class _Scorer:
+    """Scores candidates of one batch: the per-batch geometry (units, their lengths and
+    unsharded tile areas) is computed once and shared by every candidate."""
+
+    def __init__(self, lens: np.ndarray, mask: MaskSpec) -> None:
+        self.lens, self.mask = lens, mask
+        if mask.chunk is None:
+            self.first_unit, unit_n = np.arange(len(lens)), lens.astype(np.int64)
+        else:  # (sequence, chunk) ids packed in the order of chunk_units' ids
+            count = -(-lens // mask.chunk)
+            self.first_unit = np.cumsum(count) - count
+            seq = np.repeat(np.arange(len(lens)), count)
+            c = np.arange(len(seq)) - self.first_unit[seq]
+            unit_n = np.minimum(lens[seq] - c * mask.chunk, mask.chunk)
+        full = np.ones(len(unit_n), np.int64)
+        self.area = tile_area(unit_n, unit_n, full * mask.left, full * mask.right)
+        self.own = (unit_n + TILE - 1) // TILE
+
+    def __call__(self, per_rank: Segs) -> tuple[np.ndarray, float]:
+        """``(work per rank, estimated tile area)`` of one candidate (see :func:`rank_work`
+        and :func:`tile_estimate`, which this equals)."""
+        lo, up = bounds(self.mask)
+        rank, s, e, n, cid = _units(self.lens, per_rank, self.mask.chunk, self.first_unit)
+        w = work_prefix(n, e, lo, up) - work_prefix(n, s, lo, up)
+        work = np.bincount(rank, weights=w.astype(float), minlength=len(per_rank))
+        keep = e > s
+        cid, rows = cid[keep], (e[keep] - s[keep] + TILE - 1) // TILE
+        present = np.bincount(cid, minlength=len(self.own)) > 0
+        rows = np.bincount(cid, weights=rows, minlength=len(self.own))[present]
+        area, own = self.area[present], self.own[present]
+        return work, float((area * (rows / np.maximum(own, 1)) ** 2).sum())
+
+
+def _units(lens: np.ndarray, per_rank: Segs, chunk: int | None, first_unit: np.ndarray | None = None):
+    """``(rank, start, end, unit length, unit)`` of every piece, cut at chunks; positions are
+    within the unit; ``unit`` indexes the packed units when ``first_unit`` (each sequence's
+    first unit) is given."""
     seg = np.concatenate(per_rank) if per_rank else np.zeros((0, 3), np.int64)
     rank = np.repeat(np.arange(len(per_rank)), [len(p) for p in per_rank])
     src, unit, s, e = chunk_units(seg[:, 0], seg[:, 1], seg[:, 2], chunk)
@@ -60,13 +95,15 @@ def _units(lens: np.ndarray, per_rank: Segs, chunk: int | None):
     else:
         u0 = s // chunk * chunk
         n = np.minimum(lens[seg[src, 0]] - u0, chunk)
-    return rank[src], unit, s - u0, e - u0, n
+        if first_unit is not None:
+            unit = first_unit[seg[src, 0]] + s // chunk
+    return rank[src], s - u0, e - u0, n, unit
 
 
 def rank_work(lens: np.ndarray, per_rank: Segs, mask: MaskSpec) -> np.ndarray:
     """Exact visible (query, key) pairs of every rank's queries under ``mask``."""
     lo, up = bounds(mask)
-    rank, _, s, e, n = _units(lens, per_rank, mask.chunk)
+    rank, s, e, n, _ = _units(lens, per_rank, mask.chunk)
     w = work_prefix(n, e, lo, up) - work_prefix(n, s, lo, up)
     return np.bincount(rank, weights=w.astype(float), minlength=len(per_rank))
 
@@ -74,7 +111,7 @@ def rank_work(lens: np.ndarray, per_rank: Segs, mask: MaskSpec) -> np.ndarray:
 def tile_estimate(lens: np.ndarray, per_rank: Segs, mask: MaskSpec) -> float:
     """Estimated tile area of the sharded batch: each unit's unsharded tile area scaled by the
     square of (its pieces' row tiles over its own)."""
-    _, unit, s, e, n = _units(lens, per_rank, mask.chunk)
+    _, s, e, n, unit = _units(lens, per_rank, mask.chunk)
     keep = e > s
     unit, s, e, n = unit[keep], s[keep], e[keep], n[keep]
     ids, inv = np.unique(unit, return_inverse=True)
@@ -91,25 +128,39 @@ def pick(lens: np.ndarray, counts: list[int], mask: MaskSpec, dualchunk: Callabl
 
     The stream and the dual-chunk split are scored first (one pass and a few vectorised sums);
     the other passes run only where the stream is not admissible or the dual-chunk split
-    looks fuller, so most batches pay for one pass."""
-    first = workload_segments(lens, counts, mask)
+    looks fuller, so most batches pay for one pass. Those passes reuse the first pass's probes
+    while their choices agree, and stop at the first rank whose work already makes them
+    inadmissible (they could not be picked); the reversed pass is skipped where the counts
+    read the same both ways (it would be the first pass's ranks reversed: the same scores,
+    never picked before the first)."""
     if not counts or sum(counts) > SEARCH_TOKENS:
-        return first
+        return workload_segments(lens, counts, mask)
+    trace: list[Step] = []
+    first = workload_segments(lens, counts, mask, trace=trace)
+    score = _Scorer(lens, mask)
     cands = [first, dualchunk()]
-    work = [rank_work(lens, c, mask) for c in cands]
-    imb = [w.max() / max(w.mean(), 1e-30) for w in work]
-    tiles = [tile_estimate(lens, c, mask) for c in cands]
+    work, tiles = map(list, zip(*map(score, cands), strict=True))
+    mean = max(work[0].mean(), 1e-30)  # every candidate's: the batch's work over the ranks
+    imb = [w.max() / mean for w in work]
     bound = min(imb[1] + WORK_SLACK, WORK_BOUND)
     if imb[0] <= bound and (tiles[0] <= tiles[1] or imb[1] > bound):
         return first
-    more = [workload_segments(lens, counts, mask, t) for t in TOLERANCES[1:]]
-    more.append(workload_segments(lens, counts[::-1], mask)[::-1])
-    for c in more:
-        w = rank_work(lens, c, mask)
-        cands.append(c)
-        imb.append(w.max() / max(w.mean(), 1e-30))
-        tiles.append(tile_estimate(lens, c, mask))
     if imb[0] <= bound:  # trade tiles for at most one token's share of work, never more
         bound = min(bound, imb[0] + WORK_SLACK)
+    # a pass with one rank over the bound is inadmissible; while one of the first two is
+    # admissible, such a pass cannot be picked (else the least imbalanced one is)
+    give_up = (lambda w: w / mean > bound) if min(imb) <= bound else None
+    runs = [(t, False) for t in TOLERANCES[1:]] + [(TOLERANCE, True)] * (counts != counts[::-1])
+    for tol, rev in runs:
+        if rev:  # the last ranks absorb earlier misses: another set of boundaries
+            c = workload_segments(lens, counts[::-1], mask, tol, give_up=give_up)
+            c = None if c is None else c[::-1]
+        else:
+            c = workload_segments(lens, counts, mask, tol, replay=trace, give_up=give_up)
+        if c is not None:
+            w, tl = score(c)
+            cands.append(c)
+            imb.append(w.max() / mean)
+            tiles.append(tl)
     ok = [i for i in range(len(cands)) if imb[i] <= bound] or [int(np.argmin(imb))]
     return cands[min((tiles[i], imb[i], i) for i in ok)[2]]

@@ -31,13 +31,16 @@ from __future__ import annotations
 
 import bisect
 import functools
+from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 
 from .geometry import BIG, TILE, bounds, work_prefix
 from .masks import MaskSpec
+from .workload_order import local_order, merge_adjacent
 
-__all__ = ["workload_segments", "unit_table", "TOLERANCE"]
+__all__ = ["workload_segments", "unit_table", "Step", "Probes", "TOLERANCE"]
 
 TOLERANCE = 1e-3
 """Relative work miss a rank accepts to keep its cuts at tile multiples (the misses of
@@ -51,18 +54,56 @@ Entry = tuple[float, int, int, int]
 """``(density, unit, a, b)``: positions [a, b) of a unit, still in the stream."""
 
 
+Side = tuple[list[Entry], list[int], list[int]]
+"""Entries off one end of the stream covering a rank's count, with cumulative tokens and work."""
+
+
+class Probes(NamedTuple):
+    """What one take evaluated: another pass at the same stream, count and target reuses it."""
+
+    front: Side
+    """The light end."""
+    back: Side
+    """The dense end."""
+    cost: dict
+    """``x -> (work, cut cost)`` of ``x`` tokens off the front and the rest off the back."""
+    three: dict
+    """``(y, q) -> {i: (work, cut cost, x) or None}``: the probes of :meth:`_Stream._three`."""
+
+
+class Step(NamedTuple):
+    """One rank's take in a pass (see ``trace`` and ``replay`` of :func:`workload_segments`)."""
+
+    t: int
+    """Tokens the rank took."""
+    probes: Probes | None
+    """What the take evaluated (None for an empty rank)."""
+    decision: tuple
+    """Its choice, ``(x, f, cut entry)``: equal choices leave equal streams."""
+
+
 @functools.lru_cache(maxsize=1 << 16)
 def _work(n: int, x: int, lo: int, up: int) -> int:
     """Visible pairs of the first ``x`` queries of a unit of ``n`` tokens under band (lo, up)
     (scalar :func:`.geometry.work_prefix`, pure Python and memoised: the searches probe the
-    same boundaries again and again)."""
-    a, b = min(up, BIG), -min(lo, BIG)
-    i0 = min(max(-a, 0), x)
-    i1 = min(max(n - b, i0), x)
-    m = min(max(n - 1 - a, i0), i1)
-    s = lambda u, v: (v * (v - 1) - u * (u - 1)) // 2  # noqa: E731 - sum(range(u, v))
-    p = min(max(-b, i0), i1)
-    return s(i0, m) + (m - i0) * a + (i1 - m) * (n - 1) - s(p, i1) - (i1 - p) * b + (i1 - i0)
+    same boundaries again and again; branches instead of min/max calls, as it is hot)."""
+    a = up if up < BIG else BIG
+    b = -lo if lo < BIG else -BIG
+    i0 = -a if -a > 0 else 0
+    if i0 > x:
+        i0 = x
+    i1 = n - b if n - b > i0 else i0
+    if i1 > x:
+        i1 = x
+    m = n - 1 - a if n - 1 - a > i0 else i0
+    if m > i1:
+        m = i1
+    p = -b if -b > i0 else i0
+    if p > i1:
+        p = i1
+    s_m = (m * (m - 1) - i0 * (i0 - 1)) // 2  # sum(range(i0, m))
+    s_p = (i1 * (i1 - 1) - p * (p - 1)) // 2  # sum(range(p, i1))
+    return s_m + (m - i0) * a + (i1 - m) * (n - 1) - s_p - (i1 - p) * b + (i1 - i0)
 
 
 def unit_table(lens: np.ndarray, chunk: int | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -83,6 +124,8 @@ class _Stream:
 
     def __init__(self, ulen: np.ndarray, uwork: np.ndarray, lo: int, up: int, tolerance: float) -> None:
         self.ulen, self.lo, self.up, self.tolerance = ulen.tolist(), lo, up, tolerance
+        self.probes: Probes | None = None  # the last take's
+        self.decision: tuple = ()  # the last take's choice: (x, f, cut entry)
         units = np.nonzero(ulen > 0)[0]
         dens = uwork[units] / ulen[units]
         order = np.lexsort((units, dens))  # as the entries' tuples sort: density, then unit
@@ -108,26 +151,46 @@ class _Stream:
             wk.append(wk[-1] + self.work(e[1], e[2], e[3]))
         return ents, tok, wk
 
-    def take(self, t: int, target: float) -> list[tuple[int, int, int]]:
+    def take(self, t: int, target: float, reuse: Probes | None = None) -> list[tuple[int, int, int]]:
         """One rank: ``t`` tokens, ``x`` off the front and ``t - x`` off the back, its work as
-        close to ``target`` as a bisection on ``x`` gets; then tile-aligned cuts nearby."""
-        front, back = self.side(t, False), self.side(t, True)
+        close to ``target`` as a bisection on ``x`` gets; then tile-aligned cuts nearby.
 
-        def at(side, x: int, is_back: bool) -> tuple[int, int, int | None]:
-            """``(work, entry, cut)`` of ``x`` tokens off one end; ``cut`` is the position where
-            the entry is cut, None at a boundary between entries."""
-            ents, tok, wk = side
-            j = bisect.bisect_right(tok, x) - 1
-            if x == tok[j]:
-                return int(wk[j]), j, None
-            _, k, a, b = ents[j]
-            pos = b - (x - int(tok[j])) if is_back else a + (x - int(tok[j]))
-            return int(wk[j]) + (self.work(k, pos, b) if is_back else self.work(k, a, pos)), j, pos
+        Every probe (the work and cut cost of one choice) is memoised in ``self.probes``; a pass
+        that reaches the same stream with the same ``t`` and target passes them as ``reuse``
+        and only redoes the choices (which depend on its tolerance)."""
+        if reuse is None:
+            reuse = Probes(self.side(t, False), self.side(t, True), {}, {})
+        self.probes = reuse
+        front, back, memo = reuse.front, reuse.back, reuse.cost
+        fents, ftok, fwk = front
+        bents, btok, bwk = back
+        ulen, lo, up, tol = self.ulen, self.lo, self.up, self.tolerance
+
+        def at_front(x: int) -> tuple[int, int, int | None]:
+            """``(work, entry, cut)`` of ``x`` tokens off the front; ``cut`` is the position
+            where the entry is cut, None at a boundary between entries."""
+            j = bisect.bisect_right(ftok, x) - 1
+            if x == ftok[j]:
+                return fwk[j], j, None
+            _, k, a, _ = fents[j]
+            pos, n = a + x - ftok[j], ulen[k]
+            return fwk[j] + _work(n, pos, lo, up) - _work(n, a, lo, up), j, pos
+
+        def at_back(y: int) -> tuple[int, int, int | None]:
+            j = bisect.bisect_right(btok, y) - 1
+            if y == btok[j]:
+                return bwk[j], j, None
+            _, k, _, b = bents[j]
+            pos, n = b - (y - btok[j]), ulen[k]
+            return bwk[j] + _work(n, b, lo, up) - _work(n, pos, lo, up), j, pos
 
         def cost(x: int) -> tuple[int, int]:
-            wf, jf, pf = at(front, x, False)
-            wb, jb, pb = at(back, t - x, True)
-            return wf + wb, self._ugly(front[0], jf, pf) + self._ugly(back[0], jb, pb)
+            got = memo.get(x)
+            if got is None:
+                wf, jf, pf = at_front(x)
+                wb, jb, pb = at_back(t - x)
+                got = memo[x] = (wf + wb, self._ugly(fents, jf, pf) + self._ugly(bents, jb, pb))
+            return got
 
         lo_x, hi_x = 0, t  # work falls as x grows
         if cost(0)[0] <= target:
@@ -138,41 +201,43 @@ class _Stream:
             mid = (lo_x + hi_x) // 2
             lo_x, hi_x = (mid, hi_x) if cost(mid)[0] >= target else (lo_x, mid)
         cands = {lo_x, hi_x}
-        for side, is_back in ((front, False), (back, True)):
-            ents, tok, _ = side
-            _, j, pos = at(side, t - lo_x if is_back else lo_x, is_back)
+        for (ents, tok, _), is_back in ((front, False), (back, True)):
+            _, j, pos = at_back(t - lo_x) if is_back else at_front(lo_x)
             if pos is None:
                 continue
             _, k, a, b = ents[j]
             for q in (a, b, pos // TILE * TILE, -(-pos // TILE) * TILE):  # entry ends, tile multiples
                 q = min(max(q, a), b)
-                x = int(tok[j]) + (b - q if is_back else q - a)
+                x = tok[j] + (b - q if is_back else q - a)
                 cands.add(t - x if is_back else x)
         best = None
         for x in sorted(c for c in cands if 0 <= c <= t):
             w, ugly = cost(x)
             err = abs(w - target) / max(target, 1.0)
-            key = (ugly if err <= self.tolerance else 9, err)
+            key = (ugly if err <= tol else 9, err)
             if best is None or key < best[0]:
                 best = (key, x, 0, None)
         if best[0][0]:
-            three = self._three(front, back, t, target, t - best[1], at)
+            three = self._three(t, target, t - best[1], at_front, at_back)
             if three is not None and three[0] < best[0]:
                 best = three
+        self.decision = best[1:]
         return self._commit(front, back, best[1], t - best[1] - best[2], best[3], best[2])
 
-    def _three(self, front, back, t: int, target: float, y: int, at):
+    def _three(self, t: int, target: float, y: int, at_front, at_back):
         """The dense cut moved to a tile multiple and the miss made up by a tile-aligned front
         piece of the same unit (the dual-chunk shape): the rank's one unaligned cut is then on
         the light side, in a short document, instead of between pieces of a long one."""
-        _, j, pos = at(back, y, True)
-        ents, tok, wk = back
+        _, j, pos = at_back(y)
+        (fents, ftok, fwk), (ents, tok, wk), memo = self.probes.front, self.probes.back, self.probes.three
         if pos is None or self._ugly(ents, j, pos) < 2:
             return None
         e = ents[j]
         _, k, a, b = e
-        fents, ftok, _ = front
-        cap = int(ftok[fents.index(e)]) if e in fents else int(ftok[-1])  # light tokens before e
+        ulen, lo, up, tol = self.ulen, self.lo, self.up, self.tolerance
+        n = ulen[k]
+        w_a = _work(n, a, lo, up)
+        cap = ftok[fents.index(e)] if e in fents else ftok[-1]  # light tokens before e
         best = None
         q0 = pos // TILE * TILE
         first = -(-(a + 1) // TILE) * TILE  # the first tile multiple inside the entry
@@ -180,32 +245,46 @@ class _Stream:
             if not a < q <= b:
                 continue
             n_f = 1 + max(0, (q - first) // TILE + 1)  # front sizes: 0, then up to tile multiples <= q
-            base = int(tok[j]) + b - q
-            fixed = int(wk[j]) + self.work(k, q, b)
+            base = tok[j] + b - q
+            fixed = wk[j] + self.work(k, q, b)
 
-            def front_size(i: int) -> int:
-                return 0 if i == 0 else first + (i - 1) * TILE - a
+            seen = memo.setdefault((y, q), {})
 
-            def total(i: int, base=base, fixed=fixed):
-                x = t - base - front_size(i)
-                if not 0 <= x <= cap:
-                    return None
-                wf, jf, pf = at(front, x, False)
-                return wf + fixed + self.work(k, a, a + front_size(i)), self._ugly(fents, jf, pf), x
+            def total(i: int, base=base, fixed=fixed, seen=seen):
+                """``(work, front cut cost, x)`` with the ``i``-th front piece; None where the
+                light side cannot supply the rest (inlined probes: this is the hot loop)."""
+                got = seen.get(i, seen)
+                if got is seen:
+                    f = 0 if i == 0 else first + (i - 1) * TILE - a
+                    x = t - base - f
+                    got = None
+                    if 0 <= x <= cap:
+                        jf = bisect.bisect_right(ftok, x) - 1
+                        wf, ugly = fwk[jf], 0
+                        if x != ftok[jf]:  # cut inside front entry jf (see _ugly)
+                            _, kf, af, _ = fents[jf]
+                            pf, nf = af + x - ftok[jf], ulen[kf]
+                            wf += _work(nf, pf, lo, up) - _work(nf, af, lo, up)
+                            if pf % TILE and pf != nf:
+                                ugly = 2 if nf > LONG * TILE else 1
+                        got = wf + fixed + (_work(n, a + f, lo, up) - w_a if f else 0), ugly, x
+                    seen[i] = got
+                return got
 
             lo_i, hi_i = 0, n_f - 1  # work grows with the front piece
             while hi_i - lo_i > 1:
                 mid = (lo_i + hi_i) // 2
                 got = total(mid)
-                small = t - base - front_size(mid) > cap if got is None else got[0] <= target
+                f = 0 if mid == 0 else first + (mid - 1) * TILE - a
+                small = t - base - f > cap if got is None else got[0] <= target
                 lo_i, hi_i = (mid, hi_i) if small else (lo_i, mid)
             for i in {lo_i, hi_i, min(hi_i + 1, n_f - 1)}:
                 got = total(i)
                 if got is not None:
                     err = abs(got[0] - target) / max(target, 1.0)
-                    key = ((got[1] if err <= self.tolerance else 9), err)
+                    key = ((got[1] if err <= tol else 9), err)
                     if best is None or key < best[0]:
-                        best = (key, got[2], front_size(i), e)
+                        best = (key, got[2], 0 if i == 0 else first + (i - 1) * TILE - a, e)
             if best is not None and best[0][0] <= 1:  # within tolerance, one cut in a short document at most
                 break
         return best
@@ -248,62 +327,47 @@ class _Stream:
 
 
 def workload_segments(
-    lens: np.ndarray, counts: list[int], mask: MaskSpec, tolerance: float = TOLERANCE
-) -> list[np.ndarray]:
+    lens: np.ndarray,
+    counts: list[int],
+    mask: MaskSpec,
+    tolerance: float = TOLERANCE,
+    *,
+    trace: list[Step] | None = None,
+    replay: list[Step] | None = None,
+    give_up: Callable[[int], bool] | None = None,
+) -> list[np.ndarray] | None:
     """Per rank ``[k, 3]`` ``(seq, start, end)`` segments: rank r holds ``counts[r]`` tokens;
-    ``tolerance`` is the relative work miss a rank accepts for tile-aligned cuts."""
+    ``tolerance`` is the relative work miss a rank accepts for tile-aligned cuts.
+
+    ``trace`` (a list) receives every rank's :class:`Step`. ``replay``, the trace of an earlier
+    pass over the same lengths, counts and mask, lets this pass reuse that pass's probes for as
+    long as its choices agree (the stream is then the same), redoing only the choices: the
+    passes of :func:`.balance_pick.pick` differ only in tolerance, so they share most probes.
+    ``give_up(work)`` true of a rank's work ends the pass early with None (a search that
+    already knows the pass cannot win)."""
     lo, up = bounds(mask)
     useq, ustart, ulen = unit_table(lens, mask.chunk)
     uwork = work_prefix(ulen, ulen, lo, up)
     stream = _Stream(ulen, uwork, lo, up, tolerance)
     left_t, left_w = int(ulen.sum()), int(uwork.sum())
     per_rank: list[list[tuple[int, int, int]]] = []
-    for t in counts:
+    shared = replay is not None and len(replay) == len(counts)
+    for r, t in enumerate(counts):
         t = int(t)
         target = left_w * t / left_t if left_t else 0.0
-        pieces = stream.take(t, target) if t else []
+        shared = shared and replay[r].t == t
+        pieces = stream.take(t, target, replay[r].probes if shared else None) if t else []
+        step = Step(t, stream.probes, stream.decision) if t else Step(0, None, ())
+        shared = shared and step.decision == replay[r].decision
+        if trace is not None:
+            trace.append(step)
         per_rank.append(pieces)
+        work = sum(stream.work(k, a, b) for k, a, b in pieces)
+        if give_up is not None and give_up(work):
+            return None
         left_t -= t
-        left_w -= sum(stream.work(k, a, b) for k, a, b in pieces)
+        left_w -= work
     cut = {k for ps in per_rank for k, a, b in ps if a > 0 or b < ulen[k]}
     tagged = [[(k, int(k in cut), int(useq[k]), int(ustart[k]) + a, int(ustart[k]) + b) for k, a, b in ps]
               for ps in per_rank]  # fmt: skip
-    return [_merge_adjacent(seg) for seg in _local_order(tagged, lo)]
-
-
-def _local_order(pieces: list[list[tuple[int, int, int, int, int]]], window: int) -> list[list[tuple[int, int, int]]]:
-    """Each rank's ranges in local order: whole units first (by sequence), then the pieces of cut
-    units, each unit's pieces adjacent in position order, units ordered by their run's first
-    rank, then its last: the units a rank shares with any one peer are then adjacent, so each
-    step's rows are one slice. Under a sliding window ``window``, ranges longer than it come
-    last."""
-    first: dict[int, int] = {}
-    last: dict[int, int] = {}
-    for r, ps in enumerate(pieces):
-        for k, cut, *_ in ps:
-            if cut:
-                first.setdefault(k, r)
-                last[k] = r
-    out = []
-    for r, ps in enumerate(pieces):
-        # ranges longer than a sliding window (their own calls carry the window) go after the
-        # others, so each of the own block's two alignments covers consecutive rows
-        def key(p, r=r):
-            # one order on every rank (so a sender's buffer and its receiver's queries agree):
-            # by the run's first rank, then its last. Units shared with a lower peer o (first
-            # <= o) are then a prefix, and those shared with a higher one (last >= o) a suffix.
-            return (p[4] - p[3] > window + 1, p[1], first.get(p[0], r), last.get(p[0], r), p[2:])
-
-        out.append([p[2:] for p in sorted(ps, key=key)])
-    return out
-
-
-def _merge_adjacent(segs: list[tuple[int, int, int]]) -> np.ndarray:
-    """Join position-adjacent ranges of one sequence (consecutive chunk units)."""
-    out: list[list[int]] = []
-    for s, a, b in segs:
-        if out and out[-1][0] == s and out[-1][2] == a:
-            out[-1][2] = b
-        else:
-            out.append([s, a, b])
-    return np.asarray(out, dtype=np.int64).reshape(-1, 3)
+    return [merge_adjacent(seg) for seg in local_order(tagged, lo)]

@@ -180,3 +180,44 @@ def test_small_ranks_at_least_as_balanced_as_dualchunk(mask):
         assert rep.work_imbalance <= min(dual.work_imbalance + WORK_SLACK, WORK_BOUND) + 1e-12, (cu[-1], cp)
         if dual.work_imbalance <= WORK_BOUND:
             assert rep.tile_efficiency >= dual.tile_efficiency - 1e-12, (cu[-1], cp)
+
+
+def _exhaustive_pick(lens, counts, mask, dual):
+    """The search without its shortcuts: every pass run in full and scored on its own."""
+    from megatron_cp_ext.balance_pick import TOLERANCES, rank_work, tile_estimate
+    from megatron_cp_ext.workload import workload_segments
+
+    cands = [workload_segments(lens, counts, mask, t) for t in TOLERANCES]
+    cands.insert(1, dual)
+    cands.append(workload_segments(lens, counts[::-1], mask)[::-1])
+    work = [rank_work(lens, c, mask) for c in cands]
+    imb = [w.max() / max(w.mean(), 1e-30) for w in work]
+    tiles = [tile_estimate(lens, c, mask) for c in cands]
+    bound = min(imb[1] + WORK_SLACK, WORK_BOUND)
+    if imb[0] <= bound and (tiles[0] <= tiles[1] or imb[1] > bound):
+        return cands[0]
+    if imb[0] <= bound:
+        bound = min(bound, imb[0] + WORK_SLACK)
+    ok = [i for i in range(len(cands)) if imb[i] <= bound] or [int(np.argmin(imb))]
+    return cands[min((tiles[i], imb[i], i) for i in ok)[2]]
+
+
+@pytest.mark.parametrize(
+    "lens, cp, mask",
+    [([12502, 516], 8, dict(causal=False)), ([5269, 4873], 2, dict(causal=True)),
+     ([25147], 4, dict(causal=True, window_size=(1024, -1))), ([10716, 24963, 21473], 16, dict(causal=True)),
+     ([1361, 261, 841, 3056, 342, 44], 16, dict(causal=False)), ([10555, 22548, 60030], 64, dict(causal=True))],
+)  # fmt: skip
+def test_search_shortcuts_pick_what_the_full_search_picks(lens, cp, mask):
+    """The search reuses probes across passes, stops passes that cannot win and skips the
+    reversed pass on symmetric counts: none of that may change the pick (batches where the
+    extra passes run, some with symmetric counts)."""
+    from megatron_cp_ext.balance_pick import pick
+    from megatron_cp_ext.sharding import _dualchunk, rank_counts
+
+    lens = np.asarray(lens, dtype=np.int64)
+    spec = MaskSpec.make(**mask)
+    counts = rank_counts(int(lens.sum()), cp)
+    want = _exhaustive_pick(lens, counts, spec, _dualchunk(lens, cp, 1))
+    got = pick(lens, counts, spec, lambda: _dualchunk(lens, cp, 1))
+    assert len(got) == len(want) and all(np.array_equal(a, b) for a, b in zip(got, want, strict=True))
