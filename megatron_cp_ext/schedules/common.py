@@ -21,8 +21,18 @@ import torch
 from ..ops import LSE_FLOOR, gather_rows, index_add_rows, merge_partial
 from ..plan import VarlenCall
 
-__all__ = ["Run", "take", "accumulate", "step_forward", "step_backward", "pack_kv", "new_accumulators", "acc_dtype"]
-__all__ += ["apply_sink", "sink_grad", "GradAcc", "OutAcc", "KV"]
+__all__ = [
+    "Run",
+    "take",
+    "accumulate",
+    "add_rows",
+    "step_forward",
+    "step_backward",
+    "pack_kv",
+    "new_accumulators",
+    "acc_dtype",
+]
+__all__ += ["apply_sink", "sink_grad", "GradAcc", "OutAcc", "KV", "add_rows"]
 
 
 class KV(NamedTuple):
@@ -79,6 +89,16 @@ def accumulate(acc: torch.Tensor, sl: tuple[int, int] | None, idx: torch.Tensor 
         acc[sl[0] : sl[1]].add_(src)
     else:
         index_add_rows(acc, idx, src)
+
+
+def add_rows(
+    acc: torch.Tensor | GradAcc, sl: tuple[int, int] | None, idx: torch.Tensor | None, src: torch.Tensor
+) -> None:
+    """:func:`accumulate` into a tensor or a :class:`GradAcc` (made on first use)."""
+    if isinstance(acc, GradAcc):
+        acc.add(sl, idx, src)
+    else:
+        accumulate(acc, sl, idx, src)
 
 
 class GradAcc:
@@ -193,7 +213,8 @@ def step_backward(
     dq: GradAcc,
     dkv: KV,
 ) -> None:
-    """Accumulate this step's gradients: ``dq`` for local queries, ``dkv`` for the KV rows.
+    """Accumulate this step's gradients: ``dq`` for local queries, ``dkv`` for the KV rows
+    (tensors, or :class:`GradAcc` that a first whole-block kernel output becomes).
 
     ``saved`` is ``(dout, q, out, lse)`` with the final merged ``out``/``lse``.
     """
@@ -209,8 +230,8 @@ def step_backward(
         del g_q
         del k_c, v_c
         # K and V accumulated separately (halves of a packed buffer or two): no per-call cat
-        accumulate(dkv.k, *ks, g_k)
-        accumulate(dkv.v, *ks, g_v)
+        add_rows(dkv.k, *ks, g_k)
+        add_rows(dkv.v, *ks, g_v)
         del g_k, g_v
 
 
