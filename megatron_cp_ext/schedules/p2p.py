@@ -121,7 +121,8 @@ def forward(
     peers = Peers(run.group, _KV_TAG) if run.group is not None else None
     n = len(slots)
     pending = _post(peers, own, slots[1]) if n > 1 else None
-    step_forward(walk.own, run, q, own, acc)
+    views: dict = {}
+    step_forward(walk.own, run, q, own, acc, views)
     for s in range(1, n):
         nxt = _post(peers, own, slots[s + 1]) if s + 1 < n else None
         batch, buf = pending
@@ -130,7 +131,7 @@ def forward(
         del batch
         if buf is not None and slots[s].calls:
             bufs, buf = [buf], None  # handed over: step_forward frees it after its last kernel call
-            step_forward(slots[s].calls, run, q, bufs, acc)
+            step_forward(slots[s].calls, run, q, bufs, acc, views)
             del bufs
         del buf
     return acc.result()  # accumulator dtype: the caller adds any sink and rounds once
@@ -196,7 +197,8 @@ def _backward(run: Run, dout, q, kv: KV, out, lse) -> tuple[torch.Tensor, KV]:
     else:  # the layer's dk and dv themselves, made on first use (adopting a whole kernel output)
         dkv = KV(GradAcc(kv.k), GradAcc(kv.v))
     pending = _post(peers, kv, slots[1]) if n > 1 else ([], None)
-    step_backward(walk.own, run, saved, kv, dq, dkv)
+    views: dict = {}
+    step_backward(walk.own, run, saved, kv, dq, dkv, views)
     landing: tuple = (None, None)  # the returned partial the pending batch receives, and its rows
     done: tuple | None = None  # (slot, partial) computed, not yet sent home
     for s in range(1, n + 1):
@@ -226,7 +228,7 @@ def _backward(run: Run, dout, q, kv: KV, out, lse) -> tuple[torch.Tensor, KV]:
             part = None
             if buf is not None:
                 part = _partial(kv, sl.step.recv.n, dtype, True)
-                step_backward(sl.calls, run, saved, buf, dq, part)
+                step_backward(sl.calls, run, saved, buf, dq, part, views)
             del buf  # the consumed block: freed before the next one arrives
             done = (s, part)
             del part
