@@ -7,10 +7,11 @@ walks the same step numbers 1 .. n-1 — posting nothing where its plan has noth
 messages between any two ranks are posted in the same order on both sides.
 
 Backward: KV moves exactly as in forward. Right after a step's block is computed, its fp32
-(fp64 for fp64 input) dK/dV partial goes straight home to the owner (the same rows that arrived), and the partial
-of the rows this rank sent at that step comes back from their reader; the owner adds it
-to the partial of its own block one step later, so at most two are in flight. All sizes
-come from the host plan: nothing here reads a device value.
+(fp64 for fp64 input) dK/dV partial goes straight home to the owner (the same rows that
+arrived), in the same batch as the next step's KV, and the partial of the rows this rank
+sent at that step comes back from their reader; the owner adds it to its own block's
+gradient one step later, so at most two are in flight. All sizes come from the host plan:
+nothing here reads a device value.
 """
 
 from __future__ import annotations
