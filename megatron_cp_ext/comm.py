@@ -47,18 +47,35 @@ class Peers:
         self.group = group
         self.tag = tag
         self._global = global_ranks(group)
+        self._direct: dict[str, bool] = {}
+        """Per device type: whether sends and receives go straight to the process group."""
 
-    def post(self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]]) -> Batch:
+    def post(self, sends: list[tuple], recvs: list[tuple]) -> Batch:
         """Start ``sends`` (peer, tensor) and ``recvs`` (peer, buffer); returns the batch, which
-        holds every tensor the backend was given until :meth:`wait` (:mod:`.inflight`)."""
-        sends = [(p, t.contiguous()) for p, t in sends if t.numel()]
-        recvs = [(p, t) for p, t in recvs if t.numel()]
-        ops = [dist.P2POp(dist.isend, t, self._global[p], self.group, self.tag) for p, t in sends]
-        ops += [dist.P2POp(dist.irecv, t, self._global[p], self.group, self.tag) for p, t in recvs]
-        out, into = [t for _, t in sends], [t for _, t in recvs]
-        batch = Batch(dist.batch_isend_irecv(ops) if ops else [], out + into)
+        holds every tensor the backend was given until :meth:`wait` (:mod:`.inflight`).
+
+        An entry may carry a third element, its tag, so that one batch carries two streams
+        (backends without tags match each pair's messages in posting order, which both sides
+        keep by listing the streams in the same order)."""
+        sends = [(p, t if t.is_contiguous() else t.contiguous(), *tag) for p, t, *tag in sends if t.numel()]
+        recvs = [(p, t, *tag) for p, t, *tag in recvs if t.numel()]
+        out, into = [e[1] for e in sends], [e[1] for e in recvs]
+        if not out and not into:
+            return Batch([], [])
+        device = (out or into)[0].device
+        direct = self._direct.get(device.type)
+        if direct is None:
+            direct = self._direct[device.type] = not _coalesces(self.group, device)
+        tag = self.tag
+        if direct:  # what ``batch_isend_irecv`` does for such backends, without its per-op checks
+            works = [self.group.send([e[1]], e[0], e[2] if len(e) > 2 else tag) for e in sends]
+            works += [self.group.recv([e[1]], e[0], e[2] if len(e) > 2 else tag) for e in recvs]
+        else:  # one coalesced group (NCCL)
+            op = lambda f, e: dist.P2POp(f, e[1], self._global[e[0]], self.group, e[2] if len(e) > 2 else tag)  # noqa: E731
+            works = dist.batch_isend_irecv([op(dist.isend, e) for e in sends] + [op(dist.irecv, e) for e in recvs])
+        batch = Batch(works, out + into)
         ledger = inflight.ACTIVE[0]
-        if ledger is not None and ops:
+        if ledger is not None:
             batch.ticket = ledger.post(batch, out, into)
         return batch
 
@@ -75,6 +92,13 @@ class Peers:
                 ledger.wait(ticket)
         if isinstance(batch, Batch):
             batch.tensors = []
+
+
+def _coalesces(group: dist.ProcessGroup, device: torch.device) -> bool:
+    """Whether ``batch_isend_irecv`` would coalesce on this group (its own test): then the
+    batch goes through it; otherwise it only calls the group's ``send``/``recv`` per tensor,
+    after argument checks that cost more host time than the transfers' posting itself."""
+    return type(group) is dist.ProcessGroup and bool(group._get_backend(device).supports_coalescing)
 
 
 class Batch(list):

@@ -150,6 +150,9 @@ def gather_rows(x_T: torch.Tensor, idx_N: torch.Tensor) -> torch.Tensor:
 
 def index_add_rows(acc_T: torch.Tensor, idx_N: torch.Tensor, src_N: torch.Tensor) -> None:
     """``acc_T[idx_N] += src_N`` in place; repeated indices accumulate."""
+    if not HAS_CUDA_EXT or acc_T.device.type != "cuda":
+        index_add_rows_torch(acc_T, idx_N, src_N)
+        return
     dtypes_ok = (acc_T.dtype == src_N.dtype and acc_T.dtype in _FLOATS) or (
         acc_T.dtype == torch.float32 and src_N.dtype in _HALVES
     )
@@ -178,6 +181,9 @@ def merge_partial(
     that ``lse_TH`` holds no ``-inf`` (accumulators started at :data:`LSE_FLOOR`), which saves
     the fallback one op.
     """
+    if not HAS_CUDA_EXT or out_THD.device.type != "cuda":
+        merge_partial_torch(out_THD, lse_TH, part_out_NHD, part_lse_NH, idx_N, acc_finite=acc_finite)
+        return
     fp32 = (out_THD, lse_TH, part_lse_NH)
     dtypes_ok = all(t.dtype == torch.float32 for t in fp32) and part_out_NHD.dtype in (
         torch.float32,

@@ -21,8 +21,18 @@ import torch
 from ..ops import LSE_FLOOR, gather_rows, index_add_rows, merge_partial
 from ..plan import VarlenCall
 
-__all__ = ["Run", "take", "accumulate", "step_forward", "step_backward", "pack_kv", "new_accumulators", "acc_dtype"]
-__all__ += ["apply_sink", "sink_grad", "GradAcc", "OutAcc", "KV"]
+__all__ = [
+    "Run",
+    "take",
+    "accumulate",
+    "add_rows",
+    "step_forward",
+    "step_backward",
+    "pack_kv",
+    "new_accumulators",
+    "acc_dtype",
+]
+__all__ += ["apply_sink", "sink_grad", "GradAcc", "OutAcc", "KV", "add_rows"]
 
 
 class KV(NamedTuple):
@@ -81,6 +91,16 @@ def accumulate(acc: torch.Tensor, sl: tuple[int, int] | None, idx: torch.Tensor 
         index_add_rows(acc, idx, src)
 
 
+def add_rows(
+    acc: torch.Tensor | GradAcc, sl: tuple[int, int] | None, idx: torch.Tensor | None, src: torch.Tensor
+) -> None:
+    """:func:`accumulate` into a tensor or a :class:`GradAcc` (made on first use)."""
+    if isinstance(acc, GradAcc):
+        acc.add(sl, idx, src)
+    else:
+        accumulate(acc, sl, idx, src)
+
+
 class GradAcc:
     """A gradient accumulator made on first use: the first partial that covers every row in
     the accumulator's dtype (the own block's call over all local queries, typically) becomes
@@ -89,6 +109,8 @@ class GradAcc:
     def __init__(self, like: torch.Tensor) -> None:
         self.shape, self.dtype, self.device = like.shape, acc_dtype(like), like.device
         self.t: torch.Tensor | None = None
+        self._rows: dict[tuple[int, int], torch.Tensor] = {}
+        """Row-slice views of ``t`` by slice: the steps add into the same few slices again."""
 
     def add(self, sl: tuple[int, int] | None, idx: torch.Tensor | None, src: torch.Tensor) -> None:
         if self.t is None:
@@ -97,11 +119,18 @@ class GradAcc:
                 self.t = src
                 return
             self.t = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
-        accumulate(self.t, sl, idx, src)
+        if sl is None:
+            index_add_rows(self.t, idx, src)
+            return
+        view = self._rows.get(sl)
+        if view is None:
+            view = self._rows[sl] = self.t[sl[0] : sl[1]]
+        view.add_(src)
 
     def result(self) -> torch.Tensor:
         if self.t is None:
             self.t = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+        self._rows = {}
         return self.t
 
 
@@ -134,6 +163,8 @@ class OutAcc:
         self.q, self.dv = q, dv
         self.out: torch.Tensor | None = None
         self.lse: torch.Tensor | None = None
+        self._rows: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        """Row-slice views of ``out`` and ``lse`` by slice (made once per layer)."""
 
     def merge(self, sl: tuple[int, int] | None, idx: torch.Tensor | None, o: torch.Tensor, lse_c: torch.Tensor) -> None:
         if self.out is None:
@@ -146,28 +177,40 @@ class OutAcc:
                 return
             self.out, self.lse = new_accumulators(self.q, self.dv)
         if sl is not None:
-            merge_partial(self.out[sl[0] : sl[1]], self.lse[sl[0] : sl[1]], o, lse_c, None, acc_finite=True)
+            views = self._rows.get(sl)
+            if views is None:
+                views = self._rows[sl] = (self.out[sl[0] : sl[1]], self.lse[sl[0] : sl[1]])
+            merge_partial(views[0], views[1], o, lse_c, None, acc_finite=True)
         else:
             merge_partial(self.out, self.lse, o, lse_c, idx, acc_finite=True)
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.out is None:
             self.out, self.lse = new_accumulators(self.q, self.dv)
-        self.q = None  # the accumulator outlives the call; q is not its business
+        self.q, self._rows = None, {}  # the accumulator outlives the call; q is not its business
         return self.out, self.lse
 
 
-def step_forward(calls: list[VarlenCall], run: Run, q: torch.Tensor, kv: KV | list[KV], acc: OutAcc) -> None:
+def step_forward(
+    calls: list[VarlenCall], run: Run, q: torch.Tensor, kv: KV | list[KV], acc: OutAcc, views: dict | None = None
+) -> None:
     """Merge this step's attention of ``q`` over the ``kv`` rows into ``acc``.
 
     ``kv`` may be handed over in a one-element list: it is then taken out and dropped after
-    the step's last kernel call, before that call's merge allocates (a received block)."""
+    the step's last kernel call, before that call's merge allocates (a received block).
+    ``views``: a dict the caller keeps over a layer's steps, caching the query slices (views,
+    no memory) that the steps take again and again."""
     if isinstance(kv, list):
         kv = kv.pop()
     last = calls[-1] if calls else None
     for c in calls:
         k_c, v_c = kv.take(c.k_slice, c.k_index)
-        q_c = take(q, c.q_slice, c.q_index)
+        if views is not None and c.q_slice is not None:
+            q_c = views.get(c.q_slice)
+            if q_c is None:
+                q_c = views[c.q_slice] = q[c.q_slice[0] : c.q_slice[1]]
+        else:
+            q_c = take(q, c.q_slice, c.q_index)
         o, lse_c = run.backend.attn_fwd(
             q_c, k_c, v_c,
             c.cu_seqlens_q, c.cu_seqlens_k, c.max_seqlen_q, c.max_seqlen_k, c.causal, c.window, run.scale,
@@ -192,25 +235,35 @@ def step_backward(
     kv: KV,
     dq: GradAcc,
     dkv: KV,
+    views: dict | None = None,
 ) -> None:
-    """Accumulate this step's gradients: ``dq`` for local queries, ``dkv`` for the KV rows.
+    """Accumulate this step's gradients: ``dq`` for local queries, ``dkv`` for the KV rows
+    (tensors, or :class:`GradAcc` that a first whole-block kernel output becomes).
 
-    ``saved`` is ``(dout, q, out, lse)`` with the final merged ``out``/``lse``.
+    ``saved`` is ``(dout, q, out, lse)`` with the final merged ``out``/``lse``. ``views``: as
+    in :func:`step_forward`, for the saved tensors' query slices.
     """
-    dout, q, out, lse = saved
     for c in calls:
         qs, ks = (c.q_slice, c.q_index), (c.k_slice, c.k_index)
         k_c, v_c = kv.take(*ks)
+        rows = views.get(c.q_slice) if views is not None and c.q_slice is not None else None
+        if rows is None:
+            rows = tuple(take(x, *qs) for x in saved)
+            if views is not None and c.q_slice is not None:
+                views[c.q_slice] = rows
+        dout_c, q_c, out_c, lse_c = rows
+        del rows
         g_q, g_k, g_v = run.backend.attn_bwd(
-            take(dout, *qs), take(q, *qs), k_c, v_c, take(out, *qs), take(lse, *qs),
+            dout_c, q_c, k_c, v_c, out_c, lse_c,
             c.cu_seqlens_q, c.cu_seqlens_k, c.max_seqlen_q, c.max_seqlen_k, c.causal, c.window, run.scale,
         )  # fmt: skip
+        del dout_c, q_c, out_c, lse_c
         dq.add(*qs, g_q)
         del g_q
         del k_c, v_c
         # K and V accumulated separately (halves of a packed buffer or two): no per-call cat
-        accumulate(dkv.k, *ks, g_k)
-        accumulate(dkv.v, *ks, g_v)
+        add_rows(dkv.k, *ks, g_k)
+        add_rows(dkv.v, *ks, g_v)
         del g_k, g_v
 
 

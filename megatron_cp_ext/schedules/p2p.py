@@ -7,19 +7,24 @@ walks the same step numbers 1 .. n-1 — posting nothing where its plan has noth
 messages between any two ranks are posted in the same order on both sides.
 
 Backward: KV moves exactly as in forward. Right after a step's block is computed, its fp32
-(fp64 for fp64 input) dK/dV partial goes straight home to the owner (the same rows that arrived), and the partial
-of the rows this rank sent at that step comes back from their reader; the owner adds it
-to the partial of its own block one step later, so at most two are in flight. All sizes
-come from the host plan: nothing here reads a device value.
+(fp64 for fp64 input) dK/dV partial goes straight home to the owner (the same rows that
+arrived), in the same batch as the next step's KV, and the partial of the rows this rank
+sent at that step comes back from their reader; the owner adds it to its own block's
+gradient one step later, so at most two are in flight. All sizes come from the host plan:
+nothing here reads a device value.
 """
 
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass
 
 import torch
 
 from ..comm import Peers
 from ..ops import gather_rows
-from .common import KV, GradAcc, OutAcc, Run, acc_dtype, accumulate, step_backward, step_forward
+from ..plan import VarlenCall
+from .common import KV, GradAcc, OutAcc, Run, acc_dtype, add_rows, step_backward, step_forward
 from .p2p_plan import P2PPlan, Rows, Step, build_plan
 
 __all__ = ["P2PPlan", "build_plan", "forward", "backward", "backward_packed"]
@@ -28,62 +33,83 @@ __all__ = ["P2PPlan", "build_plan", "forward", "backward", "backward_packed"]
 _KV_TAG, _HOME_TAG = 0, 2
 
 
-def _send_parts(x: torch.Tensor, rows: Rows) -> list[torch.Tensor]:
-    """The planned rows of ``x`` as messages: one view per range, or one packed gather."""
-    if not rows.n:
-        return []
-    if rows.packed:
-        return [gather_rows(x, rows.index_on(x.device))]
-    return [x[a:b] for a, b in rows.spans]
+@dataclass(frozen=True, kw_only=True)
+class _Slot:
+    """One step as the walk needs it, precomputed once per plan and device (host work that
+    would otherwise repeat every layer, forward and backward)."""
+
+    step: Step
+    """The plan's step."""
+    calls: list[VarlenCall]
+    """Its calls with index tensors on the device."""
+    send_idx: torch.Tensor | None
+    """Gather index of the sent rows when they travel packed, else None (one view per span)."""
+    recv_cuts: tuple[tuple[int, int], ...]
+    """Row ranges of the receive buffer, one per message of a tensor (one when packed)."""
 
 
-def _recv_parts(buf: torch.Tensor | None, rows: Rows) -> list[torch.Tensor]:
-    """Slices of ``buf`` matching :func:`_send_parts` on the sender (same ranges, same order)."""
-    if buf is None or rows.packed:
-        return [] if buf is None else [buf]
-    parts, off = [], 0
-    for a, b in rows.spans:
-        parts.append(buf[off : off + b - a])
-        off += b - a
-    return parts
+@dataclass(frozen=True, kw_only=True)
+class _Walk:
+    own: list[VarlenCall]
+    """The own block's calls, a call over every local query first: its kernel outputs then
+    become the dq (and, covering every key, dK/dV) accumulators instead of being added to zeros."""
+    slots: list[_Slot | None]
+    """Index s: step s (1 .. n-1), None where this participant neither sends nor receives.
+    Every participant walks the same slot numbers, so both ends of a pair post in one order."""
 
 
-class _Steps:
-    """Walks steps 1 .. n-1 of a plan, posting each step's KV transfer one step ahead.
+def _walk(plan: P2PPlan, device: torch.device) -> _Walk:
+    key = str(device)
+    walk = plan.walks.get(key)
+    if walk is not None:
+        return walk
+    own, t = list(plan.own.on(device)), plan.counts[plan.rank]
+    whole = [i for i, c in enumerate(own) if c.q_slice == (0, t)]
+    if whole:
+        own.insert(0, own.pop(whole[0]))
+    slots: list[_Slot | None] = [None] * len(plan.counts)
+    for st in plan.steps:
+        cuts, off = [], 0
+        for a, b in st.recv.spans if not st.recv.packed else ((0, st.recv.n),):
+            cuts.append((off, off + b - a))
+            off += b - a
+        send_idx = st.send.index_on(device) if st.send.n and st.send.packed else None
+        calls = st.plan.on(device)
+        slots[st.slot] = _Slot(step=st, calls=calls, send_idx=send_idx, recv_cuts=tuple(cuts) if st.recv.n else ())
+    walk = plan.walks[key] = _Walk(own=own, slots=slots)
+    return walk
 
-    ``own`` is the layer's K and V, sent as they are (two messages per range), or views of a
-    packed KV buffer (a2a's), sent packed (one). A receive buffer has the sender's layout: one
-    allocation either way, K rows then V rows when they travel apart."""
 
-    def __init__(self, run: Run, own: KV) -> None:
-        self.plan: P2PPlan = run.plan
-        self.by_slot = {st.slot: st for st in self.plan.steps}
-        self.n = len(self.plan.counts)
-        self.own = own
-        self.peers = Peers(run.group, _KV_TAG) if run.group is not None else None
-        self.home = Peers(run.group, _HOME_TAG) if run.group is not None else None
+def _buffer(own: KV, n: int) -> tuple[KV, list[torch.Tensor]]:
+    """A receive buffer for ``n`` rows and its tensors in message order: one allocation either
+    way, K rows then V rows when K and V travel apart."""
+    k, v, packed = own
+    if packed is not None:
+        buf = packed.new_empty((n, *packed.shape[1:]))
+        return KV.of(buf, k.shape[-1]), [buf]
+    nk = n * math.prod(k.shape[1:])
+    flat = k.new_empty(nk + n * math.prod(v.shape[1:]))
+    kb, vb = flat[:nk].view(n, *k.shape[1:]), flat[nk:].view(n, *v.shape[1:])
+    return KV(kb, vb), [kb, vb]
 
-    def _buffer(self, n: int) -> tuple[KV, list[torch.Tensor]]:
-        """A receive buffer for ``n`` rows and its parts in message order."""
-        k, v, packed = self.own
-        if packed is not None:
-            buf = packed.new_empty((n, *packed.shape[1:]))
-            return KV.of(buf, k.shape[-1]), [buf]
-        nk = n * int(torch.Size(k.shape[1:]).numel())
-        flat = k.new_empty(nk + n * int(torch.Size(v.shape[1:]).numel()))
-        kb, vb = flat[:nk].view(n, *k.shape[1:]), flat[nk:].view(n, *v.shape[1:])
-        return KV(kb, vb), [kb, vb]
 
-    def post_kv(self, slot: int) -> tuple[Step | None, KV | None, list]:
-        st = self.by_slot.get(slot)
-        if st is None:
-            return None, None, []
-        buf, parts = self._buffer(st.recv.n) if st.recv.n else (None, [])
-        own = [self.own.packed] if self.own.packed is not None else [self.own.k, self.own.v]
-        sends = [(st.dst, t) for x in own for t in _send_parts(x, st.send)]
-        recvs = [(st.src, t) for x in parts for t in _recv_parts(x, st.recv)]
-        batch = self.peers.post(sends, recvs) if self.peers is not None else []
-        return st, buf, [batch, sends]  # the sends stay referenced until the batch is done
+def _kv_messages(own: KV, sl: _Slot | None) -> tuple[KV | None, list[tuple], list[tuple]]:
+    """Receive buffer, sends and receives of a step's KV transfer (nothing for an empty slot)."""
+    if sl is None:
+        return None, [], []
+    st = sl.step
+    xs = [own.packed] if own.packed is not None else [own.k, own.v]
+    if not st.send.n:
+        sends = []
+    elif sl.send_idx is not None:
+        sends = [(st.dst, gather_rows(x, sl.send_idx), _KV_TAG) for x in xs]
+    else:
+        sends = [(st.dst, x[a:b], _KV_TAG) for x in xs for a, b in st.send.spans]
+    if not sl.recv_cuts:
+        return None, sends, []
+    buf, parts = _buffer(own, st.recv.n)
+    recvs = [(st.src, x[a:b], _KV_TAG) for x in parts for a, b in sl.recv_cuts]
+    return buf, sends, recvs
 
 
 def forward(
@@ -91,42 +117,51 @@ def forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``kv``: k and v already packed (``k``/``v`` are then its views): sent packed."""
     acc = OutAcc(q, v.shape[-1])
-    walk = _Steps(run, KV(k, v, kv))
-    pending = walk.post_kv(1)
-    step_forward(walk.plan.own.on(q.device), run, q, walk.own, acc)
-    for s in range(1, walk.n):
-        nxt = walk.post_kv(s + 1) if s + 1 < walk.n else (None, None, [])
-        st, buf, keep = pending
+    walk = _walk(run.plan, q.device)
+    own, slots = KV(k, v, kv), walk.slots
+    peers = Peers(run.group, _KV_TAG) if run.group is not None else None
+    n = len(slots)
+    pending = _post(peers, own, slots[1]) if n > 1 else None
+    views: dict = {}
+    step_forward(walk.own, run, q, own, acc, views)
+    for s in range(1, n):
+        nxt = _post(peers, own, slots[s + 1]) if s + 1 < n else None
+        batch, buf = pending
         pending = nxt
-        if keep:
-            Peers.wait(keep[0])
-        del keep
-        bufs, buf = [buf], None  # handed over: step_forward frees it after its last kernel call
-        if st is not None and bufs[0] is not None and not st.plan.empty:
-            step_forward(st.plan.on(q.device), run, q, bufs, acc)
-        del st, bufs
+        Peers.wait(batch)
+        del batch
+        if buf is not None and slots[s].calls:
+            bufs, buf = [buf], None  # handed over: step_forward frees it after its last kernel call
+            step_forward(slots[s].calls, run, q, bufs, acc, views)
+            del bufs
+        del buf
     return acc.result()  # accumulator dtype: the caller adds any sink and rounds once
 
 
-def _land(home: tuple | None, dkv: KV) -> None:
-    """Wait for a returned dK/dV partial and add it to the own block's rows it belongs to."""
-    if home is None:
-        return
-    batch, buf, rows, _ = home
-    Peers.wait(batch)
-    if buf is None:
+def _post(peers: Peers | None, own: KV, sl: _Slot | None, home: tuple = ([], [])) -> tuple[list, KV | None]:
+    """Post a step's KV transfer, and ``home``'s (sends, receives) of dK/dV partials in the
+    same batch (after the KV messages, on both ends)."""
+    buf, sends, recvs = _kv_messages(own, sl)
+    sends, recvs = sends + home[0], recvs + home[1]
+    batch = peers.post(sends, recvs) if peers is not None and (sends or recvs) else []
+    return batch, buf
+
+
+def _land(back: KV | None, rows: Rows | None, dkv: KV) -> None:
+    """Add a returned dK/dV partial (its batch done) to the own block's rows it belongs to."""
+    if back is None:
         return
     # a packed accumulator (a2a's) takes the packed partial in one op, else K and V apart
-    pairs = [(dkv.packed, buf.packed)] if dkv.packed is not None else [(dkv.k, buf.k), (dkv.v, buf.v)]
+    pairs = [(dkv.packed, back.packed)] if dkv.packed is not None else [(dkv.k, back.k), (dkv.v, back.v)]
     if rows.packed:
-        idx = rows.index_on(buf.k.device)
+        idx = rows.index_on(back.k.device)
         for acc, part in pairs:
-            accumulate(acc, None, idx, part)
+            add_rows(acc, None, idx, part)
         return
     off = 0
     for a, b in rows.spans:
         for acc, part in pairs:
-            accumulate(acc, (a, b), None, part[off : off + b - a])
+            add_rows(acc, (a, b), None, part[off : off + b - a])
         off += b - a
 
 
@@ -139,7 +174,7 @@ def _partial(kv: KV, n: int, dtype: torch.dtype, zero: bool) -> KV:
 
 def backward(run: Run, dout, q, k, v, out, lse) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dq, dkv = _backward(run, dout, q, KV(k, v), out, lse)
-    return dq, dkv.k, dkv.v  # accumulator dtype: the caller rounds once
+    return dq, dkv.k.result(), dkv.v.result()  # accumulator dtype: the caller rounds once
 
 
 def backward_packed(run: Run, dout, q, kv, out, lse) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,35 +184,55 @@ def backward_packed(run: Run, dout, q, kv, out, lse) -> tuple[torch.Tensor, torc
 
 
 def _backward(run: Run, dout, q, kv: KV, out, lse) -> tuple[torch.Tensor, KV]:
+    """Steps as in forward. The batch posted before step s computes carries step s+1's KV and
+    step s-1's dK/dV partial home (with the receive of the partial of the rows sent at s-1):
+    one batch per step, and each partial still travels behind the next step's compute."""
     saved = (dout, q, out, lse)
-    walk = _Steps(run, kv)
+    walk = _walk(run.plan, q.device)
+    slots, n = walk.slots, len(walk.slots)
+    peers = Peers(run.group, _KV_TAG) if run.group is not None else None
     dq = GradAcc(q)
     dtype = acc_dtype(q)
     if kv.packed is not None:  # packed like kv: a2a moves it home in one all-to-all
         dkv = _partial(kv, kv.k.shape[0], dtype, True)
-    else:  # the layer's dk and dv themselves
-        dkv = KV(torch.zeros_like(kv.k, dtype=dtype), torch.zeros_like(kv.v, dtype=dtype))
-    pending = walk.post_kv(1)
-    step_backward(walk.plan.own.on(q.device), run, saved, walk.own, dq, dkv)
-    home = None
-    for s in range(1, walk.n):
-        nxt = walk.post_kv(s + 1) if s + 1 < walk.n else (None, None, [])
-        st, buf, keep = pending
-        if keep:
-            Peers.wait(keep[0])
-        if st is not None:
+    else:  # the layer's dk and dv themselves, made on first use (adopting a whole kernel output)
+        dkv = KV(GradAcc(kv.k), GradAcc(kv.v))
+    pending = _post(peers, kv, slots[1]) if n > 1 else ([], None)
+    views: dict = {}
+    step_backward(walk.own, run, saved, kv, dq, dkv, views)
+    landing: tuple = (None, None)  # the returned partial the pending batch receives, and its rows
+    done: tuple | None = None  # (slot, partial) computed, not yet sent home
+    for s in range(1, n + 1):
+        home, back = ([], []), None
+        if done is not None:
+            st, part = slots[done[0]].step, done[1]
+            back = _partial(kv, st.send.n, dtype, False) if st.send.n else None
+            home = (
+                [(st.src, part.packed, _HOME_TAG)] if part is not None else [],
+                [(st.dst, back.packed, _HOME_TAG)] if back is not None else [],
+            )
+            del part
+        nxt = _post(peers, kv, slots[s + 1] if s + 1 < n else None, home)
+        del home
+        batch, buf = pending
+        pending = nxt
+        Peers.wait(batch)
+        del batch
+        _land(*landing, dkv)
+        landing = (back, slots[done[0]].step.send) if done is not None else (None, None)
+        del back
+        done = None
+        if s == n:
+            break
+        sl = slots[s]
+        if sl is not None:
             part = None
             if buf is not None:
-                part = _partial(kv, st.recv.n, dtype, True)
-                step_backward(st.plan.on(q.device), run, saved, buf, dq, part)
-            del buf, keep  # the consumed block: freed before the next one arrives
-            back = _partial(kv, st.send.n, dtype, False) if st.send.n else None
-            sends = [(st.src, part.packed)] if part is not None else []
-            recvs = [(st.dst, back.packed)] if back is not None else []
-            batch = walk.home.post(sends, recvs) if walk.home else []
-            _land(home, dkv)
-            home = (batch, back, st.send, part)
-            del part, back
-        pending = nxt
-    _land(home, dkv)
+                part = _partial(kv, sl.step.recv.n, dtype, True)
+                step_backward(sl.calls, run, saved, buf, dq, part, views)
+            del buf  # the consumed block: freed before the next one arrives
+            done = (s, part)
+            del part
+    Peers.wait(pending[0])
+    _land(*landing, dkv)
     return dq.result(), dkv

@@ -111,10 +111,15 @@ class P2PPlan:
     steps: list[Step]
     """Steps with anything to send or receive, in slot order."""
     rows: CommRows
+    walks: dict = field(default_factory=dict, repr=False, compare=False)
+    """Per device: what the schedule precomputes to walk the steps (see ``p2p._walk``)."""
 
     @property
     def num_steps(self) -> int:
         return 1 + len(self.steps)
+
+    def __getstate__(self) -> dict:  # device copies never travel (plans are built in loaders)
+        return {**self.__dict__, "walks": {}}
 
 
 def _ranges(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
