@@ -7,19 +7,28 @@ plans do, vectorised over all pairs (one sort per pass instead of one plan per r
 
 from __future__ import annotations
 
+import heapq
+
 import numpy as np
 
 from ..geometry import BIG, tile_area
-from ..plan.calls import MAX_SLICE_CALLS, _levels
+from ..plan.calls import MAX_SLICE_CALLS
 
-__all__ = ["price_entries", "starts"]
+__all__ = ["Overlap", "price_entries", "starts"]
 
 
-def price_entries(buf, size, per_rank: int, q0, sq, k0, sk, left, right) -> tuple[np.ndarray, np.ndarray]:
+class Overlap(Exception):
+    """A rank holding merged chain entries needs the general interval partitioning: price
+    again without merging (:mod:`.chains`)."""
+
+
+def price_entries(buf, size, per_rank: int, q0, sq, k0, sk, left, right, fixed=None) -> tuple[np.ndarray, np.ndarray]:
     """Tile area and calls per ``buf`` id of entries ``[q0, q0 + sq) x [k0, k0 + sk)`` (rows)
     with flash windows ``(left, right)``, after fusing adjacent fully visible entries as
-    ``plan.calls._entries`` does."""
-    full = (left < 0) & (right < 0)
+    ``plan.calls._entries`` does. ``fixed``: merged chain entries (:mod:`.chains`), which are
+    never fused and price no area here."""
+    fixed = np.zeros(len(buf), bool) if fixed is None else fixed
+    full = (left < 0) & (right < 0) & ~fixed
     f = [x[full] for x in (buf, q0, q0 + sq, k0, k0 + sk)]
     for _ in range(3 if len(f[0]) else 0):
         m = len(f[0])
@@ -31,11 +40,15 @@ def price_entries(buf, size, per_rank: int, q0, sq, k0, sk, left, right) -> tupl
     none = np.full(len(f[0]), -1)
     buf, q0, q1, k0, k1 = (np.concatenate([x, y[band]]) for x, y in zip(f, (buf, q0, q0 + sq, k0, k0 + sk)))
     left, right = np.concatenate([none, left[band]]), np.concatenate([none, right[band]])
-    area = np.bincount(buf, weights=tile_area(q1 - q0, k1 - k0, left, right), minlength=size)
-    return area, _runs([buf // per_rank, buf, left, right, q0, q1, k0, k1], buf, size)
+    fixed = np.concatenate([np.zeros(len(none), bool), fixed[band]])
+    priced = ~fixed
+    area = np.bincount(
+        buf[priced], weights=tile_area(*(x[priced] for x in (q1 - q0, k1 - k0, left, right))), minlength=size
+    )
+    return area, _runs([buf // per_rank, buf, left, right, q0, q1, k0, k1], buf, size, fixed)
 
 
-def _runs(keys: list[np.ndarray], out: np.ndarray, size: int) -> np.ndarray:
+def _runs(keys: list[np.ndarray], out: np.ndarray, size: int, fixed: np.ndarray) -> np.ndarray:
     """Per ``out`` id, the calls of entries grouped by ``keys`` (the last four: ``q0, q1, k0,
     k1`` rows), as :func:`~megatron_cp_ext.plan.calls.plan_steps` splits them: entries over the
     same query rows go to separate calls (``plan.calls._levels``); a level whose entries form at most
@@ -45,7 +58,7 @@ def _runs(keys: list[np.ndarray], out: np.ndarray, size: int) -> np.ndarray:
     *group, q0, q1, k0, k1 = keys
     order = _order([*group, q0, k0])
     group, q0, q1, k0, k1, out = [g[order] for g in group], q0[order], q1[order], k0[order], k1[order], out[order]
-    level = _rank_levels(group[0], q0, q1, starts(group))
+    level = _rank_levels(group[0], q0, q1, starts(group), fixed[order])
     order = _order([*group, level, q0, k0])
     group, q0, q1, k0, k1, out, level = ([g[order] for g in group], q0[order], q1[order], k0[order], k1[order],
                                          out[order], level[order])  # fmt: skip
@@ -58,7 +71,7 @@ def _runs(keys: list[np.ndarray], out: np.ndarray, size: int) -> np.ndarray:
     return np.bincount(out[first], weights=calls, minlength=size).astype(np.int64)
 
 
-def _rank_levels(rank: np.ndarray, q0: np.ndarray, q1: np.ndarray, head: np.ndarray) -> np.ndarray:
+def _rank_levels(rank: np.ndarray, q0: np.ndarray, q1: np.ndarray, head: np.ndarray, fixed: np.ndarray) -> np.ndarray:
     """``plan.calls._levels`` of every rank's entries (sorted by ``rank``, group, query start;
     ``head``: group starts) as if computed rank by rank: entries over the very same query rows
     take one level each, unless that leaves overlaps in a rank, which then gets the general
@@ -72,10 +85,33 @@ def _rank_levels(rank: np.ndarray, q0: np.ndarray, q1: np.ndarray, head: np.ndar
     prev[first] = -1
     off = (np.cumsum(first) - 1) * (4 * BIG)  # keeps the running maximum inside each call
     bad = q0s < np.maximum.accumulate(prev + off) - off
-    for r in np.unique(rank[order][bad]):
-        sel = rank == r
-        level[sel] = _levels(q0[sel], q1[sel], head[sel])
+    redo = np.unique(rank[order][bad])
+    if len(redo) and np.isin(redo, rank[fixed]).any():
+        raise Overlap
+    if len(redo):  # such a rank fails both of _levels' quick checks: interval partitioning
+        sel = np.isin(rank, redo)
+        level[sel] = _heap_levels(q0[sel], q1[sel], gid[sel])
     return level
+
+
+def _heap_levels(q0: np.ndarray, q1: np.ndarray, gid: np.ndarray) -> np.ndarray:
+    """``plan.calls._levels``' general case (interval partitioning per group, in entry order:
+    a call whose last entry ended is reused, the earliest-ending first, else a new call) on
+    plain lists, all groups in one pass."""
+    out = [0] * len(q0)
+    ends: list[tuple[int, int]] = []
+    prev = None
+    for i, (a, b, g) in enumerate(zip(q0.tolist(), q1.tolist(), gid.tolist())):
+        if g != prev:
+            ends, prev = [], g
+        if ends and ends[0][0] <= a:
+            lvl = ends[0][1]
+            heapq.heapreplace(ends, (b, lvl))
+        else:
+            lvl = len(ends)
+            heapq.heappush(ends, (b, lvl))
+        out[i] = lvl
+    return np.asarray(out, np.int64)
 
 
 def _order(cols: list[np.ndarray]) -> np.ndarray:
