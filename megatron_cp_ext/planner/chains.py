@@ -29,7 +29,7 @@ import numpy as np
 from ..geometry import BIG, TILE
 from ..plan.calls import _Pieces
 
-__all__ = ["Chains", "merge_chains", "member_area"]
+__all__ = ["Chains", "cat_pieces", "merge_chains", "member_area"]
 
 
 class Chains:
@@ -115,7 +115,7 @@ def merge_chains(p: _Pieces, lo: int, up: int, *, merge: bool = True) -> Chains:
     hk = mk[gfirst]
     merged = _Pieces(p.unit[hk], start, start + tot, p.row[hk], p.buf[hk])
     keep = ~mp
-    pieces = _Pieces(*(np.concatenate([getattr(p, f)[keep], getattr(merged, f)]) for f in ("unit", "start", "end", "row", "buf")))
+    pieces = cat_pieces(p, keep, merged)
     nm = len(hk)
     fixed = np.concatenate([np.zeros(int(keep.sum()), bool), np.ones(nm, bool)])
     lo_m, up_m = BIG, (0 if up == 0 else BIG)
@@ -123,6 +123,12 @@ def merge_chains(p: _Pieces, lo: int, up: int, *, merge: bool = True) -> Chains:
     up_arr = np.concatenate([up_arr[keep], np.full(nm, up_m)])
     units = np.unique(p.unit[mp])
     return Chains(pieces, fixed, lo_arr, up_arr, units, uid[mo], p.buf[mo], length[mo], up_m != 0)
+
+
+def cat_pieces(a: _Pieces, keep: np.ndarray, b: _Pieces) -> _Pieces:
+    """``a``'s pieces where ``keep``, then all of ``b``'s."""
+    fields = ("unit", "start", "end", "row", "buf")
+    return _Pieces(*(np.concatenate([getattr(a, f)[keep], getattr(b, f)]) for f in fields))
 
 
 def _first_index(uid: np.ndarray, pos: np.ndarray, units: int) -> np.ndarray:

@@ -32,11 +32,11 @@ import numpy as np
 
 from ..geometry import BIG, bounds
 from ..masks import MaskSpec
-from ..plan.calls import Layout, _join, _pieces, _Pieces, merge_ranges
+from ..plan.calls import Layout, _join, _Pieces, _pieces, merge_ranges
 from ..schedules.heads import split_heads
 from ..sharding import CPSharding
+from .chains import cat_pieces, member_area, merge_chains
 from .cost import PHASES
-from .chains import member_area, merge_chains
 from .entry_calls import Overlap, price_entries, starts
 from .profiles import HardwareProfile
 
@@ -123,7 +123,7 @@ def _gathered(g: _Pieces, p: _Pieces, fixed: np.ndarray, units: np.ndarray, pad:
     keep = ~np.isin(g.unit, units)
     add = _Pieces(p.unit[fixed], p.start[fixed], p.end[fixed], p.row[fixed] + p.buf[fixed] * pad,
                   np.zeros(int(fixed.sum()), np.int64))  # fmt: skip
-    return _Pieces(*(np.concatenate([getattr(g, f)[keep], getattr(add, f)]) for f in ("unit", "start", "end", "row", "buf")))
+    return cat_pieces(g, keep, add)
 
 
 def _band(qp, kp, qi, ki, lo, up):
