@@ -27,8 +27,8 @@ def price_entries(buf, size, per_rank: int, q0, sq, k0, sk, left, right, fixed=N
     with flash windows ``(left, right)``, after fusing adjacent fully visible entries as
     ``plan.calls._entries`` does. ``fixed``: merged chain entries (:mod:`.chains`), which are
     never fused and price no area here."""
-    fixed = np.zeros(len(buf), bool) if fixed is None else fixed
-    full = (left < 0) & (right < 0) & ~fixed
+    fixed = None if fixed is None or not fixed.any() else fixed
+    full = (left < 0) & (right < 0) if fixed is None else (left < 0) & (right < 0) & ~fixed
     f = [x[full] for x in (buf, q0, q0 + sq, k0, k0 + sk)]
     for _ in range(3 if len(f[0]) else 0):
         m = len(f[0])
@@ -40,15 +40,16 @@ def price_entries(buf, size, per_rank: int, q0, sq, k0, sk, left, right, fixed=N
     none = np.full(len(f[0]), -1)
     buf, q0, q1, k0, k1 = (np.concatenate([x, y[band]]) for x, y in zip(f, (buf, q0, q0 + sq, k0, k0 + sk)))
     left, right = np.concatenate([none, left[band]]), np.concatenate([none, right[band]])
-    fixed = np.concatenate([np.zeros(len(none), bool), fixed[band]])
-    priced = ~fixed
-    area = np.bincount(
-        buf[priced], weights=tile_area(*(x[priced] for x in (q1 - q0, k1 - k0, left, right))), minlength=size
-    )
+    if fixed is None:
+        area = np.bincount(buf, weights=tile_area(q1 - q0, k1 - k0, left, right), minlength=size)
+    else:
+        fixed = np.concatenate([np.zeros(len(none), bool), fixed[band]])
+        p = ~fixed
+        area = np.bincount(buf[p], weights=tile_area(q1[p] - q0[p], k1[p] - k0[p], left[p], right[p]), minlength=size)
     return area, _runs([buf // per_rank, buf, left, right, q0, q1, k0, k1], buf, size, fixed)
 
 
-def _runs(keys: list[np.ndarray], out: np.ndarray, size: int, fixed: np.ndarray) -> np.ndarray:
+def _runs(keys: list[np.ndarray], out: np.ndarray, size: int, fixed: np.ndarray | None) -> np.ndarray:
     """Per ``out`` id, the calls of entries grouped by ``keys`` (the last four: ``q0, q1, k0,
     k1`` rows), as :func:`~megatron_cp_ext.plan.calls.plan_steps` splits them: entries over the
     same query rows go to separate calls (``plan.calls._levels``); a level whose entries form at most
@@ -58,7 +59,7 @@ def _runs(keys: list[np.ndarray], out: np.ndarray, size: int, fixed: np.ndarray)
     *group, q0, q1, k0, k1 = keys
     order = _order([*group, q0, k0])
     group, q0, q1, k0, k1, out = [g[order] for g in group], q0[order], q1[order], k0[order], k1[order], out[order]
-    level = _rank_levels(group[0], q0, q1, starts(group), fixed[order])
+    level = _rank_levels(group[0], q0, q1, starts(group), None if fixed is None else fixed[order])
     order = _order([*group, level, q0, k0])
     group, q0, q1, k0, k1, out, level = ([g[order] for g in group], q0[order], q1[order], k0[order], k1[order],
                                          out[order], level[order])  # fmt: skip
@@ -71,7 +72,7 @@ def _runs(keys: list[np.ndarray], out: np.ndarray, size: int, fixed: np.ndarray)
     return np.bincount(out[first], weights=calls, minlength=size).astype(np.int64)
 
 
-def _rank_levels(rank: np.ndarray, q0: np.ndarray, q1: np.ndarray, head: np.ndarray, fixed: np.ndarray) -> np.ndarray:
+def _rank_levels(rank, q0: np.ndarray, q1: np.ndarray, head: np.ndarray, fixed: np.ndarray | None) -> np.ndarray:
     """``plan.calls._levels`` of every rank's entries (sorted by ``rank``, group, query start;
     ``head``: group starts) as if computed rank by rank: entries over the very same query rows
     take one level each, unless that leaves overlaps in a rank, which then gets the general
@@ -86,7 +87,7 @@ def _rank_levels(rank: np.ndarray, q0: np.ndarray, q1: np.ndarray, head: np.ndar
     off = (np.cumsum(first) - 1) * (4 * BIG)  # keeps the running maximum inside each call
     bad = q0s < np.maximum.accumulate(prev + off) - off
     redo = np.unique(rank[order][bad])
-    if len(redo) and np.isin(redo, rank[fixed]).any():
+    if len(redo) and fixed is not None and np.isin(redo, rank[fixed]).any():
         raise Overlap
     if len(redo):  # such a rank fails both of _levels' quick checks: interval partitioning
         sel = np.isin(rank, redo)

@@ -70,18 +70,26 @@ def _geometry(seg, owner, n: int, mask: MaskSpec, ring: bool, gather: bool, merg
     first = np.searchsorted(owner, owner, "left")
     lay = Layout(seg[:, 0], seg[:, 1], seg[:, 2], at - at[first] if len(at) else at, owner)
     lo, up = bounds(mask)
-    ch = merge_chains(_pieces(lay, mask.chunk), lo, up, merge=merge)
-    p, fixed, plo, pup = ch.pieces, ch.fixed, ch.lo, ch.up
+    p = _pieces(lay, mask.chunk)
     qi, ki = _join(p, p)
+    # merging pays where units hold many pieces (the join is then much longer than p)
+    ch = merge_chains(p, lo, up, merge=merge and len(qi) > 4 * len(p.unit))
+    merged = len(ch.units) > 0
+    if merged:
+        p = ch.pieces
+        qi, ki = _join(p, p)
+    fixed = ch.fixed
+    lo_of = (lambda i: ch.lo[i]) if merged else (lambda i: lo)  # noqa: E731
+    up_of = (lambda i: ch.up[i]) if merged else (lambda i: up)  # noqa: E731
     qs, qe, ks, ke = p.start[qi], p.end[qi], p.start[ki], p.end[ki]
     u, o = p.buf[qi], p.buf[ki]
     # rows of o's block some query of u sees (what a p2p transfer carries)
-    r0 = p.row[ki] + np.maximum(ks, qs - plo[qi]) - ks
-    r1 = p.row[ki] + np.minimum(ke, qe + pup[qi]) - ks
+    r0 = p.row[ki] + np.maximum(ks, qs - lo_of(qi)) - ks
+    r1 = p.row[ki] + np.minimum(ke, qe + up_of(qi)) - ks
     key, ra, rb = merge_ranges(u * n + o, r0, r1)
     need = np.bincount(key, weights=rb - ra, minlength=n * n).astype(np.int64).reshape(n, n)
     np.fill_diagonal(need, 0)
-    qi, ki, sq, sk, left, right, q0, kr = _band(p, p, qi, ki, plo[qi], pup[qi])
+    qi, ki, sq, sk, left, right, q0, kr = _band(p, p, qi, ki, lo_of(qi), up_of(qi))
     u, o, fx = p.buf[qi], p.buf[ki], fixed[qi]
     causal = lo >= BIG and up == 0  # plain causal: a unit's own pieces become one causal entry
     if causal:
@@ -105,7 +113,7 @@ def _geometry(seg, owner, n: int, mask: MaskSpec, ring: bool, gather: bool, merg
         g = _pieces(Layout(lay.seq, lay.start, lay.end, lay.row + owner * pad, np.zeros_like(owner)), mask.chunk)
         g = _gathered(g, p, fixed, ch.units, pad)
         gi, gk = _join(p, g)
-        gi, gk, sq, sk, left, right, q0, kr = _band(p, g, gi, gk, plo[gi], pup[gi])
+        gi, gk, sq, sk, left, right, q0, kr = _band(p, g, gi, gk, lo_of(gi), up_of(gi))
         u, fx = p.buf[gi], fixed[gi]
         if causal:
             drop, extra = _compress(p, gi, whole=g, pad=pad, skip=fixed)
@@ -128,7 +136,7 @@ def _gathered(g: _Pieces, p: _Pieces, fixed: np.ndarray, units: np.ndarray, pad:
 
 def _band(qp, kp, qi, ki, lo, up):
     """The band entry of each (query piece, key piece) pair that sees anything (as
-    ``geometry.band_blocks``; ``lo``, ``up`` per pair): ``qi, ki, sq, sk, left, right`` and its
+    ``geometry.band_blocks``; ``lo``, ``up``: scalars or per pair): ``qi, ki, sq, sk, left, right`` and its
     first query and key rows."""
     qs, qe, ks, ke = qp.start[qi], qp.end[qi], kp.start[ki], kp.end[ki]
     a = np.maximum(qs, ks - up)
@@ -136,7 +144,8 @@ def _band(qp, kp, qi, ki, lo, up):
     k0 = np.maximum(ks, a - lo)
     k1 = np.minimum(ke, b + up)
     keep = (a < b) & (k0 < k1)
-    a, b, k0, k1, qi, ki, lo, up = a[keep], b[keep], k0[keep], k1[keep], qi[keep], ki[keep], lo[keep], up[keep]
+    a, b, k0, k1, qi, ki = a[keep], b[keep], k0[keep], k1[keep], qi[keep], ki[keep]
+    lo, up = (x[keep] if np.ndim(x) else x for x in (lo, up))
     sq, sk = b - a, k1 - k0
     c = sk - sq
     left = np.minimum(lo, BIG) + k1 - b
