@@ -11,7 +11,7 @@ import heapq
 
 import numpy as np
 
-from ..geometry import BIG, tile_area
+from ..geometry import BIG, TILE, tile_area
 from ..plan.calls import MAX_SLICE_CALLS
 
 __all__ = ["Overlap", "price_entries", "starts"]
@@ -40,12 +40,14 @@ def price_entries(buf, size, per_rank: int, q0, sq, k0, sk, left, right, fixed=N
     none = np.full(len(f[0]), -1)
     buf, q0, q1, k0, k1 = (np.concatenate([x, y[band]]) for x, y in zip(f, (buf, q0, q0 + sq, k0, k0 + sk)))
     left, right = np.concatenate([none, left[band]]), np.concatenate([none, right[band]])
-    if fixed is None:
-        area = np.bincount(buf, weights=tile_area(q1 - q0, k1 - k0, left, right), minlength=size)
-    else:
-        fixed = np.concatenate([np.zeros(len(none), bool), fixed[band]])
-        p = ~fixed
-        area = np.bincount(buf[p], weights=tile_area(q1[p] - q0[p], k1[p] - k0[p], left[p], right[p]), minlength=size)
+    nf = len(none)  # the fused fully visible entries come first: whole tiles, closed form
+    tiles = ((q1[:nf] - q0[:nf] + TILE - 1) // TILE) * ((k1[:nf] - k0[:nf] + TILE - 1) // TILE) * (TILE * TILE)
+    area = np.bincount(buf[:nf], weights=tiles, minlength=size).astype(np.float64)  # int64 when empty
+    p = slice(nf, None) if fixed is None else nf + np.nonzero(~fixed[band])[0]
+    band_area = tile_area(q1[p] - q0[p], k1[p] - k0[p], left[p], right[p]).astype(np.float64)
+    area += np.bincount(buf[p], weights=band_area, minlength=size)
+    if fixed is not None:
+        fixed = np.concatenate([np.zeros(nf, bool), fixed[band]])
     return area, _runs([buf // per_rank, buf, left, right, q0, q1, k0, k1], buf, size, fixed)
 
 

@@ -28,6 +28,8 @@ full model). Cost grows with the (query piece, key piece) pairs of each document
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from ..geometry import BIG, bounds
@@ -41,6 +43,8 @@ from .entry_calls import Overlap, price_entries, starts
 from .profiles import HardwareProfile
 
 __all__ = ["Geometry", "geometry", "estimate_times"]
+
+_split_heads = functools.lru_cache(maxsize=64)(split_heads)
 
 
 class Geometry:
@@ -315,7 +319,7 @@ def _a2a_times(sharding: CPSharding, owner, mask: MaskSpec, a: int, counts: np.n
     cp = sharding.cp_size
     useg, ugroup = _unions(sharding.seg, owner // a)
     geo = geometry(useg, ugroup, cp // a, mask, gather=False)
-    q_parts, kv_parts = split_heads(sh.hq, sh.hkv, a)
+    q_parts, kv_parts = _split_heads(sh.hq, sh.hkv, a)
     nq = np.array([y - x for x, y in q_parts])
     nkv = np.array([y - x for x, y in kv_parts])
     ranks = np.arange(cp)
