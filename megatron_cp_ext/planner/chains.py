@@ -7,8 +7,9 @@ document's pieces stored right after this one's, in the same buffer. Such a *cha
 is priced as one unit whose pieces are the row unions:
 
 * a unit qualifies when the mask inside it depends on position order only (a plain causal or
-  full band, or a window wider than the unit), so every pair of its pieces is either fully
-  visible, the causal diagonal, or invisible, the same in every unit of the chain;
+  full band, or a window wider than the unit) and, for a causal band, no piece is one row (its
+  diagonal would be a full entry), so every pair of its pieces is either fully visible, the
+  causal diagonal, or invisible, the same in every unit of the chain;
 * the varlen calls do not change: the chain's per-unit entries of one (query piece, key piece)
   role follow one another in both row spaces (one slice run, as the merged entry), keep their
   level, and never fuse or compress (the next unit's piece always sits between two pieces of
@@ -19,7 +20,8 @@ is priced as one unit whose pieces are the row unions:
   piece pair, and merged entries price zero area.
 
 Where a rank's entries need the general interval partitioning (never for chain entries
-themselves, but possible when other units overlap), the caller recomputes without merging.
+themselves, but possible when other units' entries overlap), its calls depend on the order of
+every single entry, so the caller prices that geometry again without merging.
 """
 
 from __future__ import annotations

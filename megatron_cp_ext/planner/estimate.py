@@ -23,7 +23,12 @@ estimate by construction (nothing checks it against the plans at run time), and
 ``reference`` kernel's padded rectangles need the exact ``cu_seqlens``: CPU profiles keep the
 full model). Cost grows with the (query piece, key piece) pairs of each document: small for
 ``workload`` balance, which keeps documents whole; ``dualchunk`` cuts every document into
-``2 cp`` pieces, so its pairs grow as ``cp^2`` per document.
+``2 cp`` pieces, so its pairs grow as ``cp^2`` per document. Runs of consecutive documents
+of the same shape are therefore merged first (:mod:`.chains`, exact), which leaves ``cp^2``
+pairs per run instead; what stays per document is a document the mask does not treat by
+position order alone (a window shorter than it), a2a groups' unions (stored document by
+document, so they never form runs), and a rank that needs the general interval partitioning
+(then the geometry is priced again without merging).
 """
 
 from __future__ import annotations
