@@ -31,7 +31,7 @@ import numpy as np
 from ..geometry import BIG, TILE
 from ..plan.calls import _Pieces
 
-__all__ = ["Chains", "cat_pieces", "merge_chains", "member_area"]
+__all__ = ["Chains", "cat_pieces", "expand", "merge_chains", "member_area"]
 
 
 class Chains:
@@ -47,6 +47,9 @@ class Chains:
         self.member_unit, self.member_buf, self.member_len = member_unit, member_buf, member_len
         self.bidir = bidir
         """Merged units see keys on both sides (``up`` unbounded), else causal."""
+        self.members = None
+        """Per merged piece (they are the last ones of ``pieces``), its members as CSR
+        ``(ptr, row offset from the merged piece's first row, length)``, in chain order."""
 
 
 def _rank_in_group(head: np.ndarray) -> np.ndarray:
@@ -124,7 +127,22 @@ def merge_chains(p: _Pieces, lo: int, up: int, *, merge: bool = True) -> Chains:
     lo_arr = np.concatenate([lo_arr[keep], np.full(nm, lo_m)])
     up_arr = np.concatenate([up_arr[keep], np.full(nm, up_m)])
     units = np.unique(p.unit[mp])
-    return Chains(pieces, fixed, lo_arr, up_arr, units, uid[mo], p.buf[mo], length[mo], up_m != 0)
+    out = Chains(pieces, fixed, lo_arr, up_arr, units, uid[mo], p.buf[mo], length[mo], up_m != 0)
+    out.members = (np.append(gfirst, len(mk)), p.row[mk] - np.repeat(p.row[hk], np.diff(np.append(gfirst, len(mk)))),
+                   length[mk])  # fmt: skip
+    return out
+
+
+def expand(sel: np.ndarray, qm: np.ndarray, km: np.ndarray, members) -> tuple[np.ndarray, ...]:
+    """The chain members' own entries of merged entries ``sel`` (indices; ``qm`` / ``km``:
+    their query / key merged piece): ``(entry, q offset, q length, k offset, k length)`` per
+    member entry, ``entry`` the merged entry it comes from."""
+    ptr, off, length = members
+    m = ptr[qm[sel] + 1] - ptr[qm[sel]]
+    rep = np.repeat(sel, m)
+    j = np.arange(len(rep)) - np.repeat(np.cumsum(m) - m, m)
+    qx, kx = ptr[qm[rep]] + j, ptr[km[rep]] + j
+    return rep, off[qx], length[qx], off[kx], length[kx]
 
 
 def cat_pieces(a: _Pieces, keep: np.ndarray, b: _Pieces) -> _Pieces:

@@ -13,6 +13,7 @@ import numpy as np
 
 from ..geometry import BIG, TILE, tile_area
 from ..plan.calls import MAX_SLICE_CALLS
+from .chains import expand
 
 __all__ = ["Overlap", "price_entries", "starts"]
 
@@ -22,11 +23,13 @@ class Overlap(Exception):
     again without merging (:mod:`.chains`)."""
 
 
-def price_entries(buf, size, per_rank: int, q0, sq, k0, sk, left, right, fixed=None) -> tuple[np.ndarray, np.ndarray]:
+def price_entries(buf, size, per_rank: int, q0, sq, k0, sk, left, right, fixed=None, merged=None):
     """Tile area and calls per ``buf`` id of entries ``[q0, q0 + sq) x [k0, k0 + sk)`` (rows)
     with flash windows ``(left, right)``, after fusing adjacent fully visible entries as
     ``plan.calls._entries`` does. ``fixed``: merged chain entries (:mod:`.chains`), which are
-    never fused and price no area here."""
+    never fused and price no area here; ``merged``: ``(qm, km, members)``, their merged query
+    and key pieces and :attr:`.chains.Chains.members`, to price the members' own entries on a
+    rank that needs the general interval partitioning. Returns ``(area, calls)``."""
     fixed = None if fixed is None or not fixed.any() else fixed
     full = (left < 0) & (right < 0) if fixed is None else (left < 0) & (right < 0) & ~fixed
     f = [x[full] for x in (buf, q0, q0 + sq, k0, k0 + sk)]
@@ -46,8 +49,28 @@ def price_entries(buf, size, per_rank: int, q0, sq, k0, sk, left, right, fixed=N
     p = slice(nf, None) if fixed is None else nf + np.nonzero(~fixed[band])[0]
     band_area = tile_area(q1[p] - q0[p], k1[p] - k0[p], left[p], right[p]).astype(np.float64)
     area += np.bincount(buf[p], weights=band_area, minlength=size)
-    if fixed is not None:
-        fixed = np.concatenate([np.zeros(nf, bool), fixed[band]])
+    if fixed is None:
+        return area, _runs([buf // per_rank, buf, left, right, q0, q1, k0, k1], buf, size, None)
+    qm, km, members = merged if merged is not None else (None, None, None)
+    fixed = np.concatenate([np.zeros(nf, bool), fixed[band]])
+    try:
+        return area, _runs([buf // per_rank, buf, left, right, q0, q1, k0, k1], buf, size, fixed)
+    except Overlap as e:
+        if merged is None:
+            raise
+        redo = e.args[0]
+    # those ranks' merged entries back as their members' own entries (area already priced)
+    qm, km = (np.concatenate([np.full(nf, -1), x[band]]) for x in (qm, km))
+    sel = np.nonzero(fixed & np.isin(buf // per_rank, redo))[0]
+    rep, qo, ql, ko, kl = expand(sel, qm, km, members)
+    keep = np.ones(len(buf), bool)
+    keep[sel] = False
+    cols = [np.concatenate([x[keep], y]) for x, y in zip(
+        (buf, left, right, q0, k0), (buf[rep], left[rep], right[rep], q0[rep] + qo, k0[rep] + ko))]  # fmt: skip
+    buf, left, right, q0, k0 = cols
+    q1 = np.concatenate([q1[keep], q0[-len(rep) :] + ql]) if len(rep) else q1[keep]
+    k1 = np.concatenate([k1[keep], k0[-len(rep) :] + kl]) if len(rep) else k1[keep]
+    fixed = np.concatenate([fixed[keep], np.zeros(len(rep), bool)])
     return area, _runs([buf // per_rank, buf, left, right, q0, q1, k0, k1], buf, size, fixed)
 
 
@@ -90,9 +113,16 @@ def _rank_levels(rank, q0: np.ndarray, q1: np.ndarray, head: np.ndarray, fixed: 
     bad = q0s < np.maximum.accumulate(prev + off) - off
     redo = np.unique(rank[order][bad])
     if len(redo) and fixed is not None and np.isin(redo, rank[fixed]).any():
-        raise Overlap
+        raise Overlap(redo)
     if len(redo):  # such a rank fails both of _levels' quick checks: interval partitioning
         sel = np.isin(rank, redo)
+        # a group of disjoint entries stays in one call (the partitioning reuses it throughout)
+        prev = np.concatenate([[-1], q1[:-1]])
+        prev[head] = -1
+        off = gid * (4 * BIG)
+        clash = q0 < np.maximum.accumulate(prev + off) - off
+        sel &= np.isin(gid, gid[clash])
+        level[np.isin(rank, redo) & ~sel] = 0
         level[sel] = _heap_levels(q0[sel], q1[sel], gid[sel])
     return level
 

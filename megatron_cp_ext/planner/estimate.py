@@ -100,11 +100,14 @@ def _geometry(seg, owner, n: int, mask: MaskSpec, ring: bool, gather: bool, merg
     np.fill_diagonal(need, 0)
     qi, ki, sq, sk, left, right, q0, kr = _band(p, p, qi, ki, lo_of(qi), up_of(qi))
     u, o, fx = p.buf[qi], p.buf[ki], fixed[qi]
+    base = len(p.unit) - int(fixed.sum())  # merged pieces come last
+    qm, km = qi - base, ki - base
     causal = lo >= BIG and up == 0  # plain causal: a unit's own pieces become one causal entry
     if causal:
         drop, extra = _compress(p, qi, whole=None, pad=0, skip=fixed)
         drop &= u == o
-        u, o, q0, sq, kr, sk, left, right, fx = _swap(drop, extra, (u, o, q0, sq, kr, sk, left, right, fx))
+        cols = (u, o, q0, sq, kr, sk, left, right, fx, qm, km)
+        u, o, q0, sq, kr, sk, left, right, fx, qm, km = _swap(drop, extra, cols)
     pair = u * n + o
     area, calls = np.zeros(n * n), np.zeros(n * n, np.int64)
     if ring:
@@ -114,7 +117,7 @@ def _geometry(seg, owner, n: int, mask: MaskSpec, ring: bool, gather: bool, merg
         packed = np.cumsum(rb - ra) - (rb - ra)
         packed -= packed[np.searchsorted(key, key)] if len(key) else 0
         kp = np.where(u == o, kr, kr - ra[at] + packed[at]) if len(key) else kr
-        area, calls = price_entries(pair, n * n, n, q0, sq, kp, sk, left, right, fx.astype(bool))
+        area, calls = price_entries(pair, n * n, n, q0, sq, kp, sk, left, right, fx.astype(bool), (qm, km, ch.members))
         area = area + member_area(ch, n, by_buf=True).ravel()
     area_all, calls_all = np.zeros(n), np.zeros(n, np.int64)
     if gather:  # rank j's block at row j * pad of one buffer, pad = the largest block
@@ -124,10 +127,12 @@ def _geometry(seg, owner, n: int, mask: MaskSpec, ring: bool, gather: bool, merg
         gi, gk = _join(p, g)
         gi, gk, sq, sk, left, right, q0, kr = _band(p, g, gi, gk, lo_of(gi), up_of(gi))
         u, fx = p.buf[gi], fixed[gi]
+        qm, km = gi - base, gk - (len(g.unit) - int(fixed.sum()))
         if causal:
             drop, extra = _compress(p, gi, whole=g, pad=pad, skip=fixed)
-            u, q0, sq, kr, sk, left, right, fx = _swap(drop, extra, (u, None, q0, sq, kr, sk, left, right, fx))
-        area_all, calls_all = price_entries(u, n, 1, q0, sq, kr, sk, left, right, fx.astype(bool))
+            cols = (u, None, q0, sq, kr, sk, left, right, fx, qm, km)
+            u, q0, sq, kr, sk, left, right, fx, qm, km = _swap(drop, extra, cols)
+        area_all, calls_all = price_entries(u, n, 1, q0, sq, kr, sk, left, right, fx.astype(bool), (qm, km, ch.members))
         area_all = area_all + member_area(ch, n, by_buf=False)
     return Geometry(area.reshape(n, n), calls.reshape(n, n), need, area_all, calls_all)
 
@@ -165,11 +170,11 @@ def _band(qp, kp, qi, ki, lo, up):
 
 
 def _swap(drop, extra, cols):
-    """Entries ``cols`` (``u, o, q0, sq, kr, sk, left, right, fixed``; ``o`` may be None)
+    """Entries ``cols`` (``u, o, q0, sq, kr, sk, left, right, fixed, qm, km``; ``o`` may be None)
     without ``drop`` and with the compressed ``extra`` entries."""
     owner, q0, total, k0 = extra
     none = np.full(len(owner), -1)
-    add = (owner, owner, q0, total, k0, total, none, none + 1, none + 1)
+    add = (owner, owner, q0, total, k0, total, none, none + 1, none + 1, none, none)
     return tuple(np.concatenate([c[~drop], x]).astype(np.int64) for c, x in zip(cols, add) if c is not None)
 
 
