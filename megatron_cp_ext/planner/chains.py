@@ -37,8 +37,8 @@ __all__ = ["Chains", "cat_pieces", "expand", "merge_chains", "member_area"]
 class Chains:
     """Pieces with chains merged: ``pieces`` (merged ones last), ``fixed`` (a merged piece:
     its entries skip fusion and compression and price no area), ``lo`` / ``up`` per piece (the
-    band the piece's unit is priced with) and the chain members (``member_*``, in unit and
-    position order; ``member_head``: first piece of each member unit)."""
+    band the piece's unit is priced with) and the chain members' pieces (``member_unit``: a
+    dense unit index, ``member_buf``, ``member_len``; in unit and position order)."""
 
     def __init__(self, pieces, fixed, lo, up, units, member_unit, member_buf, member_len, bidir) -> None:
         self.pieces, self.fixed, self.lo, self.up = pieces, fixed, lo, up
