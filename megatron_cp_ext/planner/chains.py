@@ -21,7 +21,9 @@ is priced as one unit whose pieces are the row unions:
 
 Where a rank's entries need the general interval partitioning (never for chain entries
 themselves, but possible when other units' entries overlap), its calls depend on the order of
-every single entry, so the caller prices that geometry again without merging.
+every single entry, so :func:`.entry_calls.price_entries` gives that rank its merged entries
+back as the members' own (:func:`expand`); without that information the caller prices the
+geometry again without merging.
 """
 
 from __future__ import annotations

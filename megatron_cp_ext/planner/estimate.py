@@ -28,7 +28,7 @@ of the same shape are therefore merged first (:mod:`.chains`, exact), which leav
 pairs per run instead; what stays per document is a document the mask does not treat by
 position order alone (a window shorter than it), a2a groups' unions (stored document by
 document, so they never form runs), and a rank that needs the general interval partitioning
-(then the geometry is priced again without merging).
+(its merged entries go back to the members' own, entry by entry).
 """
 
 from __future__ import annotations
