@@ -9,8 +9,8 @@ process finds the answer. The profile is :func:`set_auto_profile`'s, else the
 rank), else ``h100-nvlink-ib400`` on CUDA and ``cpu-gloo`` on CPU.
 
 Pricing: with a ``flash`` profile the candidates are priced together from one shared geometry
-(:mod:`.estimate`: milliseconds at 128K tokens on 16 ranks, where building every rank's plan
-for every candidate took about half a second); with the ``reference`` kernel (CPU), or
+(:mod:`.estimate`: 5-25 ms at 128K tokens on 16 ranks with either built-in balance, where
+building every rank's plan for every candidate took about half a second); with the ``reference`` kernel (CPU), or
 ``exact=True``, from every rank's exact plan (:func:`inspect_plan` and :func:`.cost.predict`).
 """
 

@@ -7,19 +7,31 @@ plans do, vectorised over all pairs (one sort per pass instead of one plan per r
 
 from __future__ import annotations
 
+import heapq
+
 import numpy as np
 
-from ..geometry import BIG, tile_area
-from ..plan.calls import MAX_SLICE_CALLS, _levels
+from ..geometry import BIG, TILE, tile_area
+from ..plan.calls import MAX_SLICE_CALLS
+from .chains import expand
 
-__all__ = ["price_entries", "starts"]
+__all__ = ["Overlap", "price_entries", "starts"]
 
 
-def price_entries(buf, size, per_rank: int, q0, sq, k0, sk, left, right) -> tuple[np.ndarray, np.ndarray]:
+class Overlap(Exception):
+    """A rank holding merged chain entries needs the general interval partitioning: price
+    again without merging (:mod:`.chains`)."""
+
+
+def price_entries(buf, size, per_rank: int, q0, sq, k0, sk, left, right, fixed=None, merged=None):
     """Tile area and calls per ``buf`` id of entries ``[q0, q0 + sq) x [k0, k0 + sk)`` (rows)
     with flash windows ``(left, right)``, after fusing adjacent fully visible entries as
-    ``plan.calls._entries`` does."""
-    full = (left < 0) & (right < 0)
+    ``plan.calls._entries`` does. ``fixed``: merged chain entries (:mod:`.chains`), which are
+    never fused and price no area here; ``merged``: ``(qm, km, members)``, their merged query
+    and key pieces and :attr:`.chains.Chains.members`, to price the members' own entries on a
+    rank that needs the general interval partitioning. Returns ``(area, calls)``."""
+    fixed = None if fixed is None or not fixed.any() else fixed
+    full = (left < 0) & (right < 0) if fixed is None else (left < 0) & (right < 0) & ~fixed
     f = [x[full] for x in (buf, q0, q0 + sq, k0, k0 + sk)]
     for _ in range(3 if len(f[0]) else 0):
         m = len(f[0])
@@ -31,11 +43,38 @@ def price_entries(buf, size, per_rank: int, q0, sq, k0, sk, left, right) -> tupl
     none = np.full(len(f[0]), -1)
     buf, q0, q1, k0, k1 = (np.concatenate([x, y[band]]) for x, y in zip(f, (buf, q0, q0 + sq, k0, k0 + sk)))
     left, right = np.concatenate([none, left[band]]), np.concatenate([none, right[band]])
-    area = np.bincount(buf, weights=tile_area(q1 - q0, k1 - k0, left, right), minlength=size)
-    return area, _runs([buf // per_rank, buf, left, right, q0, q1, k0, k1], buf, size)
+    nf = len(none)  # the fused fully visible entries come first: whole tiles, closed form
+    tiles = ((q1[:nf] - q0[:nf] + TILE - 1) // TILE) * ((k1[:nf] - k0[:nf] + TILE - 1) // TILE) * (TILE * TILE)
+    area = np.bincount(buf[:nf], weights=tiles, minlength=size).astype(np.float64)  # int64 when empty
+    p = slice(nf, None) if fixed is None else nf + np.nonzero(~fixed[band])[0]
+    band_area = tile_area(q1[p] - q0[p], k1[p] - k0[p], left[p], right[p]).astype(np.float64)
+    area += np.bincount(buf[p], weights=band_area, minlength=size)
+    if fixed is None:
+        return area, _runs([buf // per_rank, buf, left, right, q0, q1, k0, k1], buf, size, None)
+    qm, km, members = merged if merged is not None else (None, None, None)
+    fixed = np.concatenate([np.zeros(nf, bool), fixed[band]])
+    try:
+        return area, _runs([buf // per_rank, buf, left, right, q0, q1, k0, k1], buf, size, fixed)
+    except Overlap as e:
+        if merged is None:
+            raise
+        redo = e.args[0]
+    # those ranks' merged entries back as their members' own entries (area already priced)
+    qm, km = (np.concatenate([np.full(nf, -1), x[band]]) for x in (qm, km))
+    sel = np.nonzero(fixed & np.isin(buf // per_rank, redo))[0]
+    rep, qo, ql, ko, kl = expand(sel, qm, km, members)
+    keep = np.ones(len(buf), bool)
+    keep[sel] = False
+    cols = [np.concatenate([x[keep], y]) for x, y in zip(
+        (buf, left, right, q0, k0), (buf[rep], left[rep], right[rep], q0[rep] + qo, k0[rep] + ko))]  # fmt: skip
+    buf, left, right, q0, k0 = cols
+    q1 = np.concatenate([q1[keep], q0[-len(rep) :] + ql]) if len(rep) else q1[keep]
+    k1 = np.concatenate([k1[keep], k0[-len(rep) :] + kl]) if len(rep) else k1[keep]
+    fixed = np.concatenate([fixed[keep], np.zeros(len(rep), bool)])
+    return area, _runs([buf // per_rank, buf, left, right, q0, q1, k0, k1], buf, size, fixed)
 
 
-def _runs(keys: list[np.ndarray], out: np.ndarray, size: int) -> np.ndarray:
+def _runs(keys: list[np.ndarray], out: np.ndarray, size: int, fixed: np.ndarray | None) -> np.ndarray:
     """Per ``out`` id, the calls of entries grouped by ``keys`` (the last four: ``q0, q1, k0,
     k1`` rows), as :func:`~megatron_cp_ext.plan.calls.plan_steps` splits them: entries over the
     same query rows go to separate calls (``plan.calls._levels``); a level whose entries form at most
@@ -45,7 +84,7 @@ def _runs(keys: list[np.ndarray], out: np.ndarray, size: int) -> np.ndarray:
     *group, q0, q1, k0, k1 = keys
     order = _order([*group, q0, k0])
     group, q0, q1, k0, k1, out = [g[order] for g in group], q0[order], q1[order], k0[order], k1[order], out[order]
-    level = _rank_levels(group[0], q0, q1, starts(group))
+    level = _rank_levels(group[0], q0, q1, starts(group), None if fixed is None else fixed[order])
     order = _order([*group, level, q0, k0])
     group, q0, q1, k0, k1, out, level = ([g[order] for g in group], q0[order], q1[order], k0[order], k1[order],
                                          out[order], level[order])  # fmt: skip
@@ -58,7 +97,7 @@ def _runs(keys: list[np.ndarray], out: np.ndarray, size: int) -> np.ndarray:
     return np.bincount(out[first], weights=calls, minlength=size).astype(np.int64)
 
 
-def _rank_levels(rank: np.ndarray, q0: np.ndarray, q1: np.ndarray, head: np.ndarray) -> np.ndarray:
+def _rank_levels(rank, q0: np.ndarray, q1: np.ndarray, head: np.ndarray, fixed: np.ndarray | None) -> np.ndarray:
     """``plan.calls._levels`` of every rank's entries (sorted by ``rank``, group, query start;
     ``head``: group starts) as if computed rank by rank: entries over the very same query rows
     take one level each, unless that leaves overlaps in a rank, which then gets the general
@@ -72,10 +111,40 @@ def _rank_levels(rank: np.ndarray, q0: np.ndarray, q1: np.ndarray, head: np.ndar
     prev[first] = -1
     off = (np.cumsum(first) - 1) * (4 * BIG)  # keeps the running maximum inside each call
     bad = q0s < np.maximum.accumulate(prev + off) - off
-    for r in np.unique(rank[order][bad]):
-        sel = rank == r
-        level[sel] = _levels(q0[sel], q1[sel], head[sel])
+    redo = np.unique(rank[order][bad])
+    if len(redo) and fixed is not None and np.isin(redo, rank[fixed]).any():
+        raise Overlap(redo)
+    if len(redo):  # such a rank fails both of _levels' quick checks: interval partitioning
+        sel = np.isin(rank, redo)
+        # a group of disjoint entries stays in one call (the partitioning reuses it throughout)
+        prev = np.concatenate([[-1], q1[:-1]])
+        prev[head] = -1
+        off = gid * (4 * BIG)
+        clash = q0 < np.maximum.accumulate(prev + off) - off
+        sel &= np.isin(gid, gid[clash])
+        level[np.isin(rank, redo) & ~sel] = 0
+        level[sel] = _heap_levels(q0[sel], q1[sel], gid[sel])
     return level
+
+
+def _heap_levels(q0: np.ndarray, q1: np.ndarray, gid: np.ndarray) -> np.ndarray:
+    """``plan.calls._levels``' general case (interval partitioning per group, in entry order:
+    a call whose last entry ended is reused, the earliest-ending first, else a new call) on
+    plain lists, all groups in one pass."""
+    out = [0] * len(q0)
+    ends: list[tuple[int, int]] = []
+    prev = None
+    for i, (a, b, g) in enumerate(zip(q0.tolist(), q1.tolist(), gid.tolist())):
+        if g != prev:
+            ends, prev = [], g
+        if ends and ends[0][0] <= a:
+            lvl = ends[0][1]
+            heapq.heapreplace(ends, (b, lvl))
+        else:
+            lvl = len(ends)
+            heapq.heappush(ends, (b, lvl))
+        out[i] = lvl
+    return np.asarray(out, np.int64)
 
 
 def _order(cols: list[np.ndarray]) -> np.ndarray:

@@ -23,23 +23,33 @@ estimate by construction (nothing checks it against the plans at run time), and
 ``reference`` kernel's padded rectangles need the exact ``cu_seqlens``: CPU profiles keep the
 full model). Cost grows with the (query piece, key piece) pairs of each document: small for
 ``workload`` balance, which keeps documents whole; ``dualchunk`` cuts every document into
-``2 cp`` pieces, so its pairs grow as ``cp^2`` per document.
+``2 cp`` pieces, so its pairs grow as ``cp^2`` per document. Runs of consecutive documents
+of the same shape are therefore merged first (:mod:`.chains`, exact), which leaves ``cp^2``
+pairs per run instead; what stays per document is a document the mask does not treat by
+position order alone (a window shorter than it), a2a groups' unions (stored document by
+document, so they never form runs), and a rank that needs the general interval partitioning
+(its merged entries go back to the members' own, entry by entry).
 """
 
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 
 from ..geometry import BIG, bounds
 from ..masks import MaskSpec
-from ..plan.calls import Layout, _join, _pieces, merge_ranges
+from ..plan.calls import Layout, _join, _Pieces, _pieces, merge_ranges
 from ..schedules.heads import split_heads
 from ..sharding import CPSharding
+from .chains import cat_pieces, member_area, merge_chains
 from .cost import PHASES
-from .entry_calls import price_entries, starts
+from .entry_calls import Overlap, price_entries, starts
 from .profiles import HardwareProfile
 
 __all__ = ["Geometry", "geometry", "estimate_times"]
+
+_split_heads = functools.lru_cache(maxsize=64)(split_heads)
 
 
 class Geometry:
@@ -56,29 +66,48 @@ def geometry(seg: np.ndarray, owner: np.ndarray, n: int, mask: MaskSpec, *, ring
     """:class:`Geometry` of ``n`` participants: participant ``owner[i]`` holds ``seg[i]``
     (``(seq, start, end)``; ``owner`` ascending, each participant's rows in local order).
     ``ring`` / ``gather``: price the p2p buffers / the gathered buffer (else zeros)."""
+    try:
+        return _geometry(seg, owner, n, mask, ring, gather, merge=True)
+    except Overlap:
+        return _geometry(seg, owner, n, mask, ring, gather, merge=False)
+
+
+def _geometry(seg, owner, n: int, mask: MaskSpec, ring: bool, gather: bool, merge: bool) -> Geometry:
     seg, owner = np.asarray(seg, np.int64).reshape(-1, 3), np.asarray(owner, np.int64)
     length = seg[:, 2] - seg[:, 1]
     at = np.cumsum(length) - length
     first = np.searchsorted(owner, owner, "left")
     lay = Layout(seg[:, 0], seg[:, 1], seg[:, 2], at - at[first] if len(at) else at, owner)
+    lo, up = bounds(mask)
     p = _pieces(lay, mask.chunk)
     qi, ki = _join(p, p)
-    lo, up = bounds(mask)
+    # merging pays where units hold many pieces (the join is then much longer than p)
+    ch = merge_chains(p, lo, up, merge=merge and len(qi) > 4 * len(p.unit))
+    merged = len(ch.units) > 0
+    if merged:
+        p = ch.pieces
+        qi, ki = _join(p, p)
+    fixed = ch.fixed
+    lo_of = (lambda i: ch.lo[i]) if merged else (lambda i: lo)  # noqa: E731
+    up_of = (lambda i: ch.up[i]) if merged else (lambda i: up)  # noqa: E731
     qs, qe, ks, ke = p.start[qi], p.end[qi], p.start[ki], p.end[ki]
     u, o = p.buf[qi], p.buf[ki]
     # rows of o's block some query of u sees (what a p2p transfer carries)
-    r0 = p.row[ki] + np.maximum(ks, qs - lo) - ks
-    r1 = p.row[ki] + np.minimum(ke, qe + up) - ks
+    r0 = p.row[ki] + np.maximum(ks, qs - lo_of(qi)) - ks
+    r1 = p.row[ki] + np.minimum(ke, qe + up_of(qi)) - ks
     key, ra, rb = merge_ranges(u * n + o, r0, r1)
     need = np.bincount(key, weights=rb - ra, minlength=n * n).astype(np.int64).reshape(n, n)
     np.fill_diagonal(need, 0)
-    qi, ki, sq, sk, left, right, q0, kr = _band(p, p, qi, ki, lo, up)
-    u, o = p.buf[qi], p.buf[ki]
+    qi, ki, sq, sk, left, right, q0, kr = _band(p, p, qi, ki, lo_of(qi), up_of(qi))
+    u, o, fx = p.buf[qi], p.buf[ki], fixed[qi]
+    base = len(p.unit) - int(fixed.sum())  # merged pieces come last
+    qm, km = qi - base, ki - base
     causal = lo >= BIG and up == 0  # plain causal: a unit's own pieces become one causal entry
     if causal:
-        drop, extra = _compress(p, qi, whole=None, pad=0)
+        drop, extra = _compress(p, qi, whole=None, pad=0, skip=fixed)
         drop &= u == o
-        u, o, q0, sq, kr, sk, left, right = _swap(drop, extra, (u, o, q0, sq, kr, sk, left, right))
+        cols = (u, o, q0, sq, kr, sk, left, right, fx, qm, km)
+        u, o, q0, sq, kr, sk, left, right, fx, qm, km = _swap(drop, extra, cols)
     pair = u * n + o
     area, calls = np.zeros(n * n), np.zeros(n * n, np.int64)
     if ring:
@@ -88,24 +117,41 @@ def geometry(seg: np.ndarray, owner: np.ndarray, n: int, mask: MaskSpec, *, ring
         packed = np.cumsum(rb - ra) - (rb - ra)
         packed -= packed[np.searchsorted(key, key)] if len(key) else 0
         kp = np.where(u == o, kr, kr - ra[at] + packed[at]) if len(key) else kr
-        area, calls = price_entries(pair, n * n, n, q0, sq, kp, sk, left, right)
+        area, calls = price_entries(pair, n * n, n, q0, sq, kp, sk, left, right, fx.astype(bool), (qm, km, ch.members))
+        area = area + member_area(ch, n, by_buf=True).ravel()
     area_all, calls_all = np.zeros(n), np.zeros(n, np.int64)
     if gather:  # rank j's block at row j * pad of one buffer, pad = the largest block
         pad = int(np.bincount(owner, weights=length, minlength=n).max()) if len(owner) else 0
         g = _pieces(Layout(lay.seq, lay.start, lay.end, lay.row + owner * pad, np.zeros_like(owner)), mask.chunk)
+        g = _gathered(g, p, fixed, ch.units, pad)
         gi, gk = _join(p, g)
-        gi, gk, sq, sk, left, right, q0, kr = _band(p, g, gi, gk, lo, up)
-        u = p.buf[gi]
+        gi, gk, sq, sk, left, right, q0, kr = _band(p, g, gi, gk, lo_of(gi), up_of(gi))
+        u, fx = p.buf[gi], fixed[gi]
+        qm, km = gi - base, gk - (len(g.unit) - int(fixed.sum()))
         if causal:
-            drop, extra = _compress(p, gi, whole=g, pad=pad)
-            u, q0, sq, kr, sk, left, right = _swap(drop, extra, (u, None, q0, sq, kr, sk, left, right))
-        area_all, calls_all = price_entries(u, n, 1, q0, sq, kr, sk, left, right)
+            drop, extra = _compress(p, gi, whole=g, pad=pad, skip=fixed)
+            cols = (u, None, q0, sq, kr, sk, left, right, fx, qm, km)
+            u, q0, sq, kr, sk, left, right, fx, qm, km = _swap(drop, extra, cols)
+        area_all, calls_all = price_entries(u, n, 1, q0, sq, kr, sk, left, right, fx.astype(bool), (qm, km, ch.members))
+        area_all = area_all + member_area(ch, n, by_buf=False)
     return Geometry(area.reshape(n, n), calls.reshape(n, n), need, area_all, calls_all)
 
 
-def _band(qp, kp, qi, ki, lo: int, up: int):
+def _gathered(g: _Pieces, p: _Pieces, fixed: np.ndarray, units: np.ndarray, pad: int) -> _Pieces:
+    """The gathered buffer's pieces ``g`` with the chain members' pieces replaced by the merged
+    ones of ``p`` (members are never joined across ranks there: the next unit's piece follows)."""
+    if not len(units):
+        return g
+    keep = ~np.isin(g.unit, units)
+    add = _Pieces(p.unit[fixed], p.start[fixed], p.end[fixed], p.row[fixed] + p.buf[fixed] * pad,
+                  np.zeros(int(fixed.sum()), np.int64))  # fmt: skip
+    return cat_pieces(g, keep, add)
+
+
+def _band(qp, kp, qi, ki, lo, up):
     """The band entry of each (query piece, key piece) pair that sees anything (as
-    ``geometry.band_blocks``): ``qi, ki, sq, sk, left, right`` and its first query and key rows."""
+    ``geometry.band_blocks``; ``lo``, ``up``: scalars or per pair): ``qi, ki, sq, sk, left, right`` and its
+    first query and key rows."""
     qs, qe, ks, ke = qp.start[qi], qp.end[qi], kp.start[ki], kp.end[ki]
     a = np.maximum(qs, ks - up)
     b = np.minimum(qe, ke + lo)
@@ -113,6 +159,7 @@ def _band(qp, kp, qi, ki, lo: int, up: int):
     k1 = np.minimum(ke, b + up)
     keep = (a < b) & (k0 < k1)
     a, b, k0, k1, qi, ki = a[keep], b[keep], k0[keep], k1[keep], qi[keep], ki[keep]
+    lo, up = (x[keep] if np.ndim(x) else x for x in (lo, up))
     sq, sk = b - a, k1 - k0
     c = sk - sq
     left = np.minimum(lo, BIG) + k1 - b
@@ -123,15 +170,15 @@ def _band(qp, kp, qi, ki, lo: int, up: int):
 
 
 def _swap(drop, extra, cols):
-    """Entries ``cols`` (``u, o, q0, sq, kr, sk, left, right``; ``o`` may be None) without
-    ``drop`` and with the compressed ``extra`` entries."""
+    """Entries ``cols`` (``u, o, q0, sq, kr, sk, left, right, fixed, qm, km``; ``o`` may be None)
+    without ``drop`` and with the compressed ``extra`` entries."""
     owner, q0, total, k0 = extra
     none = np.full(len(owner), -1)
-    add = (owner, owner, q0, total, k0, total, none, none + 1)
+    add = (owner, owner, q0, total, k0, total, none, none + 1, none + 1, none, none)
     return tuple(np.concatenate([c[~drop], x]).astype(np.int64) for c, x in zip(cols, add) if c is not None)
 
 
-def _compress(p, qi, whole, pad: int):
+def _compress(p, qi, whole, pad: int, skip: np.ndarray):
     """``plan.calls._compressed``: a participant's >= 2 query pieces of one unit (at
     consecutive rows in position order) against the very same key pieces become one causal
     entry. Returns the entries to drop (by their query piece ``qi``) and the new ones
@@ -144,7 +191,7 @@ def _compress(p, qi, whole, pad: int):
     cont[1:] |= row[1:] == row[:-1] + end[:-1] - start[:-1]
     first = np.nonzero(head)[0]
     count = np.diff(np.append(first, len(buf)))
-    ok = (count >= 2) & np.logical_and.reduceat(cont, first)
+    ok = (count >= 2) & np.logical_and.reduceat(cont, first) & ~skip[order][first]
     total = np.add.reduceat(end - start, first)
     if whole is not None:  # the unit's keys in the gathered buffer are exactly these pieces
         units, inv = np.unique(whole.unit, return_inverse=True)
@@ -282,7 +329,7 @@ def _a2a_times(sharding: CPSharding, owner, mask: MaskSpec, a: int, counts: np.n
     cp = sharding.cp_size
     useg, ugroup = _unions(sharding.seg, owner // a)
     geo = geometry(useg, ugroup, cp // a, mask, gather=False)
-    q_parts, kv_parts = split_heads(sh.hq, sh.hkv, a)
+    q_parts, kv_parts = _split_heads(sh.hq, sh.hkv, a)
     nq = np.array([y - x for x, y in q_parts])
     nkv = np.array([y - x for x, y in kv_parts])
     ranks = np.arange(cp)

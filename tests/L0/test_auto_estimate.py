@@ -10,7 +10,7 @@ import torch
 import megatron_cp_ext as mcx
 from megatron_cp_ext import batches
 from megatron_cp_ext.masks import MaskSpec
-from megatron_cp_ext.planner import auto
+from megatron_cp_ext.planner import auto, chains, estimate
 from megatron_cp_ext.planner.profiles import load_profile
 
 CANDIDATES = ("a2a+p2p", "p2p", "all_gather", "a2a")
@@ -43,3 +43,25 @@ def test_estimate_agrees_with_full_model(seed):
     assert full[best] <= 1.02 * full[want], (best, want, est, full)
     err = {ct: est[ct] / full[ct] - 1 for ct in CANDIDATES}
     assert all(abs(e) < 0.05 for e in err.values()), err
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_merged_chains_price_like_the_full_model(seed, monkeypatch):
+    """Dualchunk batches, whose same-shape documents the estimate merges into chains
+    (``planner/chains.py``): every candidate's price equals the full model's to rounding."""
+    _, _, kw = _family(seed)
+    spec = [dict(causal=True), dict(causal=True, window_size=(2000, 0)), dict(causal=False)][seed]
+    lens = batches.lognormal(6000, median=300, seed=seed)
+    sharding = mcx.shard_sequences(batches.cu_seqlens(lens), 4, balance="dualchunk", **spec)
+    mask = MaskSpec.make(**spec)
+    merged = []
+
+    def spy(*args, **kwargs):
+        merged.append(chains.merge_chains(*args, **kwargs))
+        return merged[-1]
+
+    monkeypatch.setattr(estimate, "merge_chains", spy)
+    _, est = auto.choose_comm_type(sharding, mask, **kw)
+    assert any(len(c.units) for c in merged)  # chains were merged
+    _, full = auto.choose_comm_type(sharding, mask, exact=True, **kw)
+    assert all(abs(est[ct] / full[ct] - 1) < 1e-9 for ct in CANDIDATES), (est, full)
