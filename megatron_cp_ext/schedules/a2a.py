@@ -195,7 +195,10 @@ def _overlap(parts: tuple[tuple[int, int], ...]) -> bool:
 
 
 def _permuted(x: torch.Tensor, inv: torch.Tensor, room: torch.Tensor) -> torch.Tensor:
-    """``x[inv]`` written into the first elements of ``room`` (a :func:`.heads.head_room`)."""
+    """``x[inv]`` written into the first elements of ``room`` (a :func:`.heads.head_room`);
+    under dynamo, which rejects ``out=`` views, a new tensor (the compiler places buffers)."""
+    if torch.compiler.is_compiling():
+        return x.index_select(0, inv)
     return torch.index_select(x, 0, inv, out=room[: x.numel()].view(x.shape))
 
 
@@ -208,7 +211,7 @@ def _pack_home(dk_h, dv_h, inv: torch.Tensor, dtype: torch.dtype | None, t: int,
     room = head_room(*shape[:2], shape[2:], t, hkv, dk_h, dtype or torch.promote_types(dk_h.dtype, dv_h.dtype))
     packed = room[: torch.Size(shape).numel()].view(shape)
     for x, cols in ((dk_h, packed[..., :dk]), (dv_h, packed[..., dk:])):
-        if x.dtype == packed.dtype:
+        if x.dtype == packed.dtype and not torch.compiler.is_compiling():  # dynamo: no out= views
             torch.index_select(x, 0, inv, out=cols)
         else:
             cols.copy_(x.index_select(0, inv))

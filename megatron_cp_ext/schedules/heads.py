@@ -93,7 +93,8 @@ def to_heads(
     got = _a2a_flat(flat[: sum(sizes)], sizes, [n * width for n in counts], group).view(rows, h_me, *d)
     if perm is None:
         return got
-    if exact and flat.numel() > rows * width:
+    if (exact and flat.numel() > rows * width) or torch.compiler.is_compiling():
+        # dynamo rejects ``out=`` views: a traced graph lets the compiler place the buffers
         del flat
         return got.index_select(0, perm)
     out = flat[: rows * width].view(rows, h_me, *d)
@@ -148,6 +149,7 @@ def from_heads(
     got = flat.split(sizes)
     numel = t * heads * int(torch.Size(d).numel())
     fits = store is not None and store.dtype == dtype and store.numel() >= numel
+    fits = fits and not torch.compiler.is_compiling()  # no ``out=`` views under dynamo
     out = store[:numel].view(t, heads, *d) if fits else None
     del store
     overlap = len({r for a, b in parts for r in range(a, b)}) < sum(b - a for a, b in parts)
