@@ -161,13 +161,14 @@ class _A2AAttention(torch.autograd.Function):
         h0, h1 = q_parts[me]
         d_off = None
         replicated = _overlap(kv_parts)
-        dkv_h = None
         if h1 > h0 and len(ctx.run.ring.plan.counts) == 1:  # plain a2a: a ring of one
             dq_h, dk_h, dv_h = _own_backward(ctx.run.ring, dout_h, q_h, kv_h, out_h, lse)
-        elif h1 > h0:
-            dq_h, dkv_h = p2p.backward_packed(ctx.run.ring, dout_h, q_h, kv_h, out_h, lse)  # fp32 / fp64
+        elif h1 > h0:  # fp32 / fp64, dK and dV apart (adopted kernel outputs, no packed zeros)
+            dq_h, dk_h, dv_h = p2p.backward_packed(ctx.run.ring, dout_h, q_h, kv_h, out_h, lse)
         else:
-            dq_h, dkv_h = torch.zeros_like(q_h, dtype=acc_dtype(q_h)), torch.zeros_like(kv_h, dtype=acc_dtype(q_h))
+            dq_h = torch.zeros_like(q_h, dtype=acc_dtype(q_h))
+            dk_h = torch.zeros_like(kv_h[..., :dk], dtype=acc_dtype(q_h))
+            dv_h = torch.zeros_like(kv_h[..., dk:], dtype=acc_dtype(q_h))
         if offset is not None and ctx.needs_input_grad[3]:
             d_off = torch.zeros_like(offset)
             if h1 > h0:
@@ -178,13 +179,9 @@ class _A2AAttention(torch.autograd.Function):
         send = [_permuted(dq_h, inv, room[0])]
         del dq_h
         dq = from_heads(send, q_parts, plan.counts, me, group, ctx.t, ctx.hq, room)
-        if dkv_h is not None:  # the ring's packed dK|dV
-            send = [dkv_h.index_select(0, inv)]
-            del dkv_h
-        else:
-            room = [_pack_home(dk_h, dv_h, inv, acc_dtype(q_h) if replicated else None, ctx.t, ctx.hkv)]
-            send = [room[0][: dk_h.shape[0] * dk_h.shape[1] * kv_h.shape[-1]].view(*dk_h.shape[:2], kv_h.shape[-1])]
-            del dk_h, dv_h
+        room = [_pack_home(dk_h, dv_h, inv, acc_dtype(q_h) if replicated else None, ctx.t, ctx.hkv)]
+        send = [room[0][: dk_h.shape[0] * dk_h.shape[1] * kv_h.shape[-1]].view(*dk_h.shape[:2], kv_h.shape[-1])]
+        del dk_h, dv_h
         dkv = from_heads(send, kv_parts, plan.counts, me, group, ctx.t, ctx.hkv, room).to(dtype)
         return dq, dkv[..., :dk], dkv[..., dk:], d_off, None, None, None
 
