@@ -161,19 +161,21 @@ class _A2AAttention(torch.autograd.Function):
         h0, h1 = q_parts[me]
         d_off = None
         replicated = _overlap(kv_parts)
-        if h1 > h0 and len(ctx.run.ring.plan.counts) == 1:  # plain a2a: a ring of one
-            dq_h, dk_h, dv_h = _own_backward(ctx.run.ring, dout_h, q_h, kv_h, out_h, lse)
-        elif h1 > h0:  # fp32 / fp64, dK and dV apart (adopted kernel outputs, no packed zeros)
-            dq_h, dk_h, dv_h = p2p.backward_packed(ctx.run.ring, dout_h, q_h, kv_h, out_h, lse)
-        else:
-            dq_h = torch.zeros_like(q_h, dtype=acc_dtype(q_h))
-            dk_h = torch.zeros_like(kv_h[..., :dk], dtype=acc_dtype(q_h))
-            dv_h = torch.zeros_like(kv_h[..., dk:], dtype=acc_dtype(q_h))
         if offset is not None and ctx.needs_input_grad[3]:
             d_off = torch.zeros_like(offset)
             if h1 > h0:
                 d_off[h0:h1] = sink_grad(dout_h, out_h, lse, offset[h0:h1]).to(offset.dtype)
-        del dout_h, out_h  # consumed: freed before the gradients are moved back to tokens
+        if h1 > h0 and len(ctx.run.ring.plan.counts) == 1:  # plain a2a: a ring of one
+            dq_h, dk_h, dv_h = _own_backward(ctx.run.ring, dout_h, q_h, kv_h, out_h, lse)
+        elif h1 > h0:  # fp32 / fp64, dK and dV apart (adopted kernel outputs, no packed zeros)
+            saved = [dout_h, q_h, out_h, lse]  # handed over: the ring keeps only the rows it reads
+            del dout_h, out_h
+            dq_h, dk_h, dv_h = p2p.backward_packed(ctx.run.ring, saved, kv_h)
+        else:
+            dq_h = torch.zeros_like(q_h, dtype=acc_dtype(q_h))
+            dk_h = torch.zeros_like(kv_h[..., :dk], dtype=acc_dtype(q_h))
+            dv_h = torch.zeros_like(kv_h[..., dk:], dtype=acc_dtype(q_h))
+        dout_h = out_h = None  # consumed: freed before the gradients are moved back to tokens
         dq_h = dq_h.to(dtype)
         room = [head_room(*dq_h.shape[:2], dq_h.shape[2:], ctx.t, ctx.hq, dq_h)]
         send = [_permuted(dq_h, inv, room[0])]

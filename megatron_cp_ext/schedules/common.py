@@ -238,21 +238,25 @@ def step_backward(
     dq: GradAcc,
     dkv: KV,
     views: dict | None = None,
+    local: list[tuple] | None = None,
 ) -> None:
     """Accumulate this step's gradients: ``dq`` for local queries, ``dkv`` for the KV rows
     (tensors, or :class:`GradAcc` that a first whole-block kernel output becomes).
 
     ``saved`` is ``(dout, q, out, lse)`` with the final merged ``out``/``lse``. ``views``: as
-    in :func:`step_forward`, for the saved tensors' query slices.
+    in :func:`step_forward`, for the saved tensors' query slices. ``local``: per call, its
+    ``(slice, index)`` rows in ``saved`` when ``saved`` holds only some query rows (a ring's
+    narrowed copies); ``dq`` still takes the call's own rows.
     """
-    for c in calls:
+    for i, c in enumerate(calls):
         qs, ks = (c.q_slice, c.q_index), (c.k_slice, c.k_index)
+        ts = local[i] if local is not None else qs
         k_c, v_c = kv.take(*ks)
-        rows = views.get(c.q_slice) if views is not None and c.q_slice is not None else None
+        rows = views.get(ts[0]) if views is not None and ts[0] is not None else None
         if rows is None:
-            rows = tuple(take(x, *qs) for x in saved)
-            if views is not None and c.q_slice is not None:
-                views[c.q_slice] = rows
+            rows = tuple(take(x, *ts) for x in saved)
+            if views is not None and ts[0] is not None:
+                views[ts[0]] = rows
         dout_c, q_c, out_c, lse_c = rows
         del rows
         g_q, g_k, g_v = run.backend.attn_bwd(
