@@ -161,30 +161,29 @@ class _A2AAttention(torch.autograd.Function):
         h0, h1 = q_parts[me]
         d_off = None
         replicated = _overlap(kv_parts)
-        dkv_h = None
-        if h1 > h0 and len(ctx.run.ring.plan.counts) == 1:  # plain a2a: a ring of one
-            dq_h, dk_h, dv_h = _own_backward(ctx.run.ring, dout_h, q_h, kv_h, out_h, lse)
-        elif h1 > h0:
-            dq_h, dkv_h = p2p.backward_packed(ctx.run.ring, dout_h, q_h, kv_h, out_h, lse)  # fp32 / fp64
-        else:
-            dq_h, dkv_h = torch.zeros_like(q_h, dtype=acc_dtype(q_h)), torch.zeros_like(kv_h, dtype=acc_dtype(q_h))
         if offset is not None and ctx.needs_input_grad[3]:
             d_off = torch.zeros_like(offset)
             if h1 > h0:
                 d_off[h0:h1] = sink_grad(dout_h, out_h, lse, offset[h0:h1]).to(offset.dtype)
-        del dout_h, out_h  # consumed: freed before the gradients are moved back to tokens
+        if h1 > h0 and len(ctx.run.ring.plan.counts) == 1:  # plain a2a: a ring of one
+            dq_h, dk_h, dv_h = _own_backward(ctx.run.ring, dout_h, q_h, kv_h, out_h, lse)
+        elif h1 > h0:  # fp32 / fp64, dK and dV apart (adopted kernel outputs, no packed zeros)
+            saved = [dout_h, q_h, out_h, lse]  # handed over: the ring keeps only the rows it reads
+            del dout_h, out_h
+            dq_h, dk_h, dv_h = p2p.backward_packed(ctx.run.ring, saved, kv_h)
+        else:
+            dq_h = torch.zeros_like(q_h, dtype=acc_dtype(q_h))
+            dk_h = torch.zeros_like(kv_h[..., :dk], dtype=acc_dtype(q_h))
+            dv_h = torch.zeros_like(kv_h[..., dk:], dtype=acc_dtype(q_h))
+        dout_h = out_h = None  # consumed: freed before the gradients are moved back to tokens
         dq_h = dq_h.to(dtype)
         room = [head_room(*dq_h.shape[:2], dq_h.shape[2:], ctx.t, ctx.hq, dq_h)]
         send = [_permuted(dq_h, inv, room[0])]
         del dq_h
         dq = from_heads(send, q_parts, plan.counts, me, group, ctx.t, ctx.hq, room)
-        if dkv_h is not None:  # the ring's packed dK|dV
-            send = [dkv_h.index_select(0, inv)]
-            del dkv_h
-        else:
-            room = [_pack_home(dk_h, dv_h, inv, acc_dtype(q_h) if replicated else None, ctx.t, ctx.hkv)]
-            send = [room[0][: dk_h.shape[0] * dk_h.shape[1] * kv_h.shape[-1]].view(*dk_h.shape[:2], kv_h.shape[-1])]
-            del dk_h, dv_h
+        room = [_pack_home(dk_h, dv_h, inv, acc_dtype(q_h) if replicated else None, ctx.t, ctx.hkv)]
+        send = [room[0][: dk_h.shape[0] * dk_h.shape[1] * kv_h.shape[-1]].view(*dk_h.shape[:2], kv_h.shape[-1])]
+        del dk_h, dv_h
         dkv = from_heads(send, kv_parts, plan.counts, me, group, ctx.t, ctx.hkv, room).to(dtype)
         return dq, dkv[..., :dk], dkv[..., dk:], d_off, None, None, None
 

@@ -157,7 +157,8 @@ class OutAcc:
     """Output and lse accumulators made on first merge: a first partial over every query row,
     already in the accumulator dtype, becomes the accumulator (its lse made finite in place)
     instead of being merged into zeros — one ``[t, H, Dv]`` buffer fewer alive at the call
-    (a2a's single call; fp32/fp64 inputs, whose kernel output is in the accumulator dtype)."""
+    (a2a's single call, the rings' own whole-query call). A 16-bit partial becomes it widened:
+    two fp32 ``[t, H, Dv]`` buffers fewer (the zeros and the merge's widened copy)."""
 
     def __init__(self, q: torch.Tensor, dv: int) -> None:
         self.q, self.dv = q, dv
@@ -169,10 +170,11 @@ class OutAcc:
     def merge(self, sl: tuple[int, int] | None, idx: torch.Tensor | None, o: torch.Tensor, lse_c: torch.Tensor) -> None:
         if self.out is None:
             t, dtype = self.q.shape[0], acc_dtype(self.q)
-            if sl == (0, t) and o.dtype == dtype == lse_c.dtype and o.is_contiguous():
+            if sl == (0, t) and lse_c.dtype == dtype and o.is_contiguous():
                 # empty rows: a kernel's -inf (or flash's +inf) lse becomes the finite floor the
-                # merges and backwards expect; NaN stays NaN
-                self.out = o
+                # merges and backwards expect; NaN stays NaN. A 16-bit partial is widened: the
+                # same bits as merging it into zeros, without the zeros
+                self.out = o if o.dtype == dtype else o.to(dtype)
                 self.lse = lse_c.nan_to_num_(nan=float("nan"), posinf=LSE_FLOOR, neginf=LSE_FLOOR)
                 return
             self.out, self.lse = new_accumulators(self.q, self.dv)
@@ -236,21 +238,25 @@ def step_backward(
     dq: GradAcc,
     dkv: KV,
     views: dict | None = None,
+    local: list[tuple] | None = None,
 ) -> None:
     """Accumulate this step's gradients: ``dq`` for local queries, ``dkv`` for the KV rows
     (tensors, or :class:`GradAcc` that a first whole-block kernel output becomes).
 
     ``saved`` is ``(dout, q, out, lse)`` with the final merged ``out``/``lse``. ``views``: as
-    in :func:`step_forward`, for the saved tensors' query slices.
+    in :func:`step_forward`, for the saved tensors' query slices. ``local``: per call, its
+    ``(slice, index)`` rows in ``saved`` when ``saved`` holds only some query rows (a ring's
+    narrowed copies); ``dq`` still takes the call's own rows.
     """
-    for c in calls:
+    for i, c in enumerate(calls):
         qs, ks = (c.q_slice, c.q_index), (c.k_slice, c.k_index)
+        ts = local[i] if local is not None else qs
         k_c, v_c = kv.take(*ks)
-        rows = views.get(c.q_slice) if views is not None and c.q_slice is not None else None
+        rows = views.get(ts[0]) if views is not None and ts[0] is not None else None
         if rows is None:
-            rows = tuple(take(x, *qs) for x in saved)
-            if views is not None and c.q_slice is not None:
-                views[c.q_slice] = rows
+            rows = tuple(take(x, *ts) for x in saved)
+            if views is not None and ts[0] is not None:
+                views[ts[0]] = rows
         dout_c, q_c, out_c, lse_c = rows
         del rows
         g_q, g_k, g_v = run.backend.attn_bwd(

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..comm import Peers
@@ -78,6 +79,51 @@ def _walk(plan: P2PPlan, device: torch.device) -> _Walk:
         slots[st.slot] = _Slot(step=st, calls=calls, send_idx=send_idx, recv_cuts=tuple(cuts) if st.recv.n else ())
     walk = plan.walks[key] = _Walk(own=own, slots=slots)
     return walk
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Narrow:
+    """The query rows that a ring's calls read after the own block's: where they are fewer
+    than the local rows, a backward that owns ``dout`` and ``out`` (a2a+p2p's head-sharded
+    copies) keeps only these rows of them, gathered once, instead of the whole tensors plus a
+    gather per call. Precomputed once per plan and device."""
+
+    rows: torch.Tensor
+    """``[r]`` ascending local query rows read by any call of any step."""
+    local: list[list[tuple] | None]
+    """Index s: step s's calls' rows in the narrowed copies, each ``(slice, None)`` (a view)
+    or ``(None, index)``; None where the slot has no calls."""
+
+
+def _call_rows(c: VarlenCall) -> np.ndarray:
+    lo, hi = c.entries[:, 0], c.entries[:, 1]
+    n = hi - lo
+    return np.repeat(lo - (np.cumsum(n) - n), n) + np.arange(int(n.sum()))
+
+
+def _narrow(plan: P2PPlan, walk: _Walk, device: torch.device) -> _Narrow | None:
+    """The plan's :class:`_Narrow`, or None where the ring's calls read every local row (or none)."""
+    key = f"{device}#narrow"
+    if key in plan.walks:
+        return plan.walks[key]
+    per = [[_call_rows(c) for c in sl.calls] if sl is not None and sl.calls else None for sl in walk.slots]
+    every = [r for calls in per if calls for r in calls]
+    union = np.unique(np.concatenate(every)) if every else np.zeros(0, np.int64)
+    narrow = None
+    if 0 < union.size < plan.counts[plan.rank]:
+        local: list[list[tuple] | None] = []
+        for calls in per:
+            ls = []
+            for r in calls or ():
+                pos = np.searchsorted(union, r)
+                if np.array_equal(pos, np.arange(pos[0], pos[0] + pos.size)):
+                    ls.append(((int(pos[0]), int(pos[0]) + pos.size), None))
+                else:
+                    ls.append((None, torch.from_numpy(pos.astype(np.int64)).to(device)))
+            local.append(ls if calls else None)
+        narrow = _Narrow(rows=torch.from_numpy(union.astype(np.int64)).to(device), local=local)
+    plan.walks[key] = narrow
+    return narrow
 
 
 def _buffer(own: KV, n: int) -> tuple[KV, list[torch.Tensor]]:
@@ -151,8 +197,7 @@ def _land(back: KV | None, rows: Rows | None, dkv: KV) -> None:
     """Add a returned dK/dV partial (its batch done) to the own block's rows it belongs to."""
     if back is None:
         return
-    # a packed accumulator (a2a's) takes the packed partial in one op, else K and V apart
-    pairs = [(dkv.packed, back.packed)] if dkv.packed is not None else [(dkv.k, back.k), (dkv.v, back.v)]
+    pairs = [(dkv.k, back.k), (dkv.v, back.v)]
     if rows.packed:
         idx = rows.index_on(back.k.device)
         for acc, part in pairs:
@@ -165,51 +210,73 @@ def _land(back: KV | None, rows: Rows | None, dkv: KV) -> None:
         off += b - a
 
 
-def _partial(kv: KV, n: int, dtype: torch.dtype, zero: bool) -> KV:
-    """A packed ``[n, Hk, D + Dv]`` dK|dV buffer shaped like ``kv``'s rows: one message home."""
-    shape = (n, kv.k.shape[1], kv.k.shape[-1] + kv.v.shape[-1])
-    buf = (torch.zeros if zero else torch.empty)(shape, dtype=dtype, device=kv.k.device)
-    return KV.of(buf, kv.k.shape[-1])
+def _returned(kv: KV, n: int, dtype: torch.dtype) -> KV:
+    """A buffer receiving a returned dK/dV partial of ``n`` rows: one allocation, K rows then
+    V rows, both contiguous (they arrive as two messages, the way the partial is sent)."""
+    k, v = kv.k, kv.v
+    nk = n * math.prod(k.shape[1:])
+    flat = torch.empty(nk + n * math.prod(v.shape[1:]), dtype=dtype, device=k.device)
+    return KV(flat[:nk].view(n, *k.shape[1:]), flat[nk:].view(n, *v.shape[1:]))
 
 
 def backward(run: Run, dout, q, k, v, out, lse) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    dq, dkv = _backward(run, dout, q, KV(k, v), out, lse)
-    return dq, dkv.k.result(), dkv.v.result()  # accumulator dtype: the caller rounds once
+    """dq, dk, dv in the accumulator dtype (the caller rounds once)."""
+    return _backward(run, (dout, q, out, lse), KV(k, v))
 
 
-def backward_packed(run: Run, dout, q, kv, out, lse) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`backward` on packed ``kv``; returns ``dq`` and the packed ``dkv`` (accumulator dtype)."""
-    dq, dkv = _backward(run, dout, q, KV.of(kv, run.dk), out, lse)
-    return dq, dkv.packed
+def backward_packed(run: Run, saved: list[torch.Tensor], kv: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """:func:`backward` on packed ``kv`` (its K and V halves as views): the same ``dq, dk, dv``.
+    ``saved``: ``[dout, q, out, lse]``, handed over (emptied here): the caller holds no other
+    reference to ``dout`` and ``out``, so after the own block only the rows the ring's calls
+    read are kept of them (:class:`_Narrow`)."""
+    return _backward(run, saved, KV.of(kv, run.dk))
 
 
-def _backward(run: Run, dout, q, kv: KV, out, lse) -> tuple[torch.Tensor, KV]:
+def _backward(run: Run, saved: tuple | list, kv: KV) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Steps as in forward. The batch posted before step s computes carries step s+1's KV and
     step s-1's dK/dV partial home (with the receive of the partial of the rows sent at s-1):
-    one batch per step, and each partial still travels behind the next step's compute."""
-    saved = (dout, q, out, lse)
+    one batch per step, and each partial still travels behind the next step's compute.
+
+    Every gradient is a :class:`GradAcc`: dq, dK and dV adopt the own whole-block call's kernel
+    outputs, and a block's dK/dV partial adopts its call's when one call covers the block, so
+    no zero-filled buffer is alive at a kernel call (a partial goes home as two messages, K
+    then V, for that reason; a packed one would be a copy). ``saved``: ``(dout, q, out, lse)``;
+    a list is handed over (emptied here): nothing else holds ``dout`` and ``out``, so they may
+    be narrowed (:class:`_Narrow`)."""
+    owned = isinstance(saved, list)
+    if owned:
+        handed, saved = saved, tuple(saved)
+        handed.clear()
+        del handed
+    q = saved[1]
     walk = _walk(run.plan, q.device)
     slots, n = walk.slots, len(walk.slots)
     peers = Peers(run.group, _KV_TAG) if run.group is not None else None
     dq = GradAcc(q)
     dtype = acc_dtype(q)
-    if kv.packed is not None:  # packed like kv: a2a moves it home in one all-to-all
-        dkv = _partial(kv, kv.k.shape[0], dtype, True)
-    else:  # the layer's dk and dv themselves, made on first use (adopting a whole kernel output)
-        dkv = KV(GradAcc(kv.k), GradAcc(kv.v))
+    dkv = KV(GradAcc(kv.k), GradAcc(kv.v))  # made on first use (adopting a whole kernel output)
     pending = _post(peers, kv, slots[1]) if n > 1 else ([], None)
     views: dict = {}
     step_backward(walk.own, run, saved, kv, dq, dkv, views)
+    narrow = _narrow(run.plan, walk, q.device) if owned else None
+    if narrow is not None:  # keep only the rows the ring reads: each whole tensor freed once gathered
+        views, rows = {}, list(saved)
+        del saved
+        for i in range(len(rows)):
+            rows[i] = gather_rows(rows[i], narrow.rows)
+        saved = tuple(rows)
+        del rows
+    del q
     landing: tuple = (None, None)  # the returned partial the pending batch receives, and its rows
     done: tuple | None = None  # (slot, partial) computed, not yet sent home
     for s in range(1, n + 1):
         home, back = ([], []), None
         if done is not None:
             st, part = slots[done[0]].step, done[1]
-            back = _partial(kv, st.send.n, dtype, False) if st.send.n else None
+            back = _returned(kv, st.send.n, dtype) if st.send.n else None
             home = (
-                [(st.src, part.packed, _HOME_TAG)] if part is not None else [],
-                [(st.dst, back.packed, _HOME_TAG)] if back is not None else [],
+                [(st.src, x.result(), _HOME_TAG) for x in (part.k, part.v)] if part is not None else [],
+                [(st.dst, x, _HOME_TAG) for x in (back.k, back.v)] if back is not None else [],
             )
             del part
         nxt = _post(peers, kv, slots[s + 1] if s + 1 < n else None, home)
@@ -228,11 +295,12 @@ def _backward(run: Run, dout, q, kv: KV, out, lse) -> tuple[torch.Tensor, KV]:
         if sl is not None:
             part = None
             if buf is not None:
-                part = _partial(kv, sl.step.recv.n, dtype, True)
-                step_backward(sl.calls, run, saved, buf, dq, part, views)
+                part = KV(GradAcc(buf.k), GradAcc(buf.v))
+                local = narrow.local[s] if narrow is not None else None
+                step_backward(sl.calls, run, saved, buf, dq, part, views, local)
             del buf  # the consumed block: freed before the next one arrives
             done = (s, part)
             del part
     Peers.wait(pending[0])
     _land(*landing, dkv)
-    return dq.result(), dkv
+    return dq.result(), dkv.k.result(), dkv.v.result()
