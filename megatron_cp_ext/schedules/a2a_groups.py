@@ -29,10 +29,11 @@ from .heads import Range, heads_into, to_heads
 __all__ = ["MIN_GROUP_BYTES", "GROUPS", "group_parts", "choose", "backward"]
 
 MIN_GROUP_BYTES = 1 << 20
-"""Smallest dout all-to-all per member and group (bytes) worth splitting for. NCCL's
-all-to-all costs a fixed latency (tens of microseconds) plus the bytes at link bandwidth; from
-about a MiB per member the bytes' time is no longer small against that latency, and below it
-the layer's activations are too small for the saving (0.1-0.3x the ideal) to matter."""
+"""Smallest dout all-to-all per member and group (bytes) worth splitting for. An all-to-all
+pays a fixed cost per call beside its bytes' time, and a MiB crosses NVLink in a few
+microseconds: below that, extra collectives cost mostly their fixed part, and the layer's
+buffers are too small for the saving (0.1-0.3x the ideal) to matter. A judgement, not a
+measured knee (docs/performance.md, "a2a backward by head groups")."""
 GROUPS: int | None = None
 """Forces the largest valid count in {1, 2, 4} up to this one, regardless of size and of the
 modelled peak (tests: small batches); None chooses by :func:`choose`."""
