@@ -13,6 +13,8 @@ counts allow; with fewer KV heads than members, a KV head is replicated to the m
 sharing its query heads. The replicas' gradients come back from the ring in fp32 (fp64 for
 fp64 input), travel home and are summed in that precision and rounded once, so bf16 dK/dV
 lose nothing to replication. The attention-sink offset joins each member's final merge.
+Plain ``a2a``'s backward runs by head groups where the batch is large enough for that to
+lower the peak (:mod:`.a2a_groups`).
 """
 
 from __future__ import annotations
