@@ -42,9 +42,9 @@ def test_grouped_backward_matches_dense(name):
 
 
 def test_uneven_shards_fall_back_or_split():
-    """Head counts the members do not share evenly (12/6 and 6/3 heads on 4 members: shards of
-    2 and 1 KV heads, so two groups split some members' KV heads and share others') and MQA-like
-    4/2 stay exact with two groups forced."""
+    """Head counts the members do not share evenly stay exact with two groups forced: 12/6 heads
+    on 4 members (shards of 1 and 2 KV heads: the groups share some members' KV head and split
+    others'), 6/3 (a member with one query head: one group) and 4/2 (replicated KV heads)."""
     for world, hq, hkv in ((4, 12, 6), (4, 6, 3), (4, 4, 2)):
         case = AttnCase(seqlens=SEQLENS, comm_type="a2a", hq=hq, hkv=hkv)
         check_case(run_on_ranks(world, _grouped, case, 2), case)
