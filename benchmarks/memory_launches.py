@@ -9,6 +9,9 @@ that the call allocates; backward peak counts what forward saved, the output, do
 all that backward allocates (dq, dk, dv included) — q, k, v themselves only where forward
 saved them (p2p, all_gather: a2a saves head-sharded copies instead, and a training step
 frees inputs nobody saved).
+``calls``/``bwd_calls``: kernel calls forward/backward; ``fwd_comms``/``bwd_comms``:
+collectives. ``--a2a-groups N`` caps plain a2a's backward head groups at N regardless of the
+size rule (``schedules/a2a_groups.py``), to compare the counts side by side.
 
     python benchmarks/memory_launches.py --world-size 4 --tokens 8192
     python benchmarks/memory_launches.py --world-size 8 --tokens 512 --host-ms
@@ -29,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 import megatron_cp_ext as mcx
+from megatron_cp_ext.schedules import a2a_groups
 from megatron_cp_ext.testing.accounting import Tracker, add_storage, flash_stub, saved_bytes
 from megatron_cp_ext.testing.spawn import spawn_ranks
 
@@ -63,13 +67,15 @@ def _layer(rank, world, args, comm, group, sharding):
         out = mcx.cp_attention(q, k, v, **call)
     add_storage(saved, out)  # an output projection saves the output: count it once
     fwd_peak, fwd_ops, fwd_kernels, fwd_live = tr.peak, tr.num_ops, tr.kernels, tr.live_at_peak
+    fwd_comms = tr.comms
     tr.ops.clear()
-    tr.kernels = 0
+    tr.kernels = tr.comms = 0
     tr.restart(refs, dout, out)  # q, k, v count only where saved: a training step frees them
     with tr:
         out.backward(dout)
     res = dict(fwd=fwd_peak / ideal, bwd=tr.peak / ideal, saved=sum(saved.values()) / ideal)
     res.update(fwd_ops=fwd_ops, bwd_ops=tr.num_ops, calls=fwd_kernels)
+    res.update(fwd_comms=fwd_comms, bwd_comms=tr.comms, bwd_calls=tr.kernels)
     if args.breakdown:
         res["live"] = {"fwd": [(n / ideal, lab) for n, lab in fwd_live]}
         res["live"]["bwd"] = [(n / ideal, lab) for n, lab in tr.live_at_peak]
@@ -92,6 +98,7 @@ def _host_ms(q, k, v, dout, call, iters: int) -> float:
 
 def _worker(rank: int, world: int, args) -> None:
     torch.manual_seed(0)
+    a2a_groups.GROUPS = args.a2a_groups
     a2a_size = 2 if world % 2 == 0 and world > 2 else world
     pair = mcx.hierarchical_cp_groups(a2a_size) if world > 1 else None
     lens = _seqlens(args.tokens)
@@ -113,7 +120,8 @@ def _worker(rank: int, world: int, args) -> None:
 def _print(world: int, args, gathered) -> None:
     print(f"cp {world}, {args.tokens} tokens, {args.heads}/{args.kv_heads} heads, d {args.head_dim}, {args.dtype}, "
           f"balance {args.balance} (worst rank; peaks and saved as multiples of the ideal)")  # fmt: skip
-    cols = ["fwd", "bwd", "saved", "fwd_ops", "bwd_ops", "calls"] + (["host_ms"] if args.host_ms else [])
+    cols = ["fwd", "bwd", "saved", "fwd_ops", "bwd_ops", "calls", "bwd_calls", "fwd_comms", "bwd_comms"]
+    cols += ["host_ms"] if args.host_ms else []
     print("| comm | " + " | ".join(cols) + " |")
     print("|---" * (len(cols) + 1) + "|")
     for i, (comm, _) in enumerate(gathered[0]):
@@ -142,6 +150,9 @@ def main() -> None:
     p.add_argument("--breakdown", action="store_true", help="list what is alive at each peak")
     p.add_argument("--host-ms", action="store_true")
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument(
+        "--a2a-groups", type=int, default=None, help="a2a backward head groups: at most this many (default: chosen)"
+    )
     args = p.parse_args()
     spawn_ranks(_worker, args.world_size, args)
 

@@ -13,6 +13,8 @@ counts allow; with fewer KV heads than members, a KV head is replicated to the m
 sharing its query heads. The replicas' gradients come back from the ring in fp32 (fp64 for
 fp64 input), travel home and are summed in that precision and rounded once, so bf16 dK/dV
 lose nothing to replication. The attention-sink offset joins each member's final merge.
+Plain ``a2a``'s backward runs by head groups where the batch is large enough for that to
+lower the peak (:mod:`.a2a_groups`).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 from ..masks import MaskSpec
 from ..ops import LSE_FLOOR
 from ..sharding import CPSharding
-from . import p2p
+from . import a2a_groups, p2p
 from .common import KV, GradAcc, OutAcc, Run, acc_dtype, apply_sink, new_accumulators, sink_grad, step_forward, take
 from .heads import from_heads, head_room, split_heads, to_heads
 
@@ -154,18 +156,31 @@ class _A2AAttention(torch.autograd.Function):
         plan, group, dk, dtype = ctx.run.plan, ctx.group, ctx.dk, q_h.dtype
         (q_parts, kv_parts), me = ctx.heads, plan.member
         perm, inv = plan.perms_on(dout.device)
+        replicated = _overlap(kv_parts)
+        plain = len(ctx.run.ring.plan.counts) == 1  # a ring of one
+        shape = (ctx.t, ctx.hq, ctx.hkv)
+        n = a2a_groups.choose(ctx.heads, plan.counts, *shape[1:], dk, y.shape[-1], dtype) if plain else 1
+        if n > 1:  # by head groups (:mod:`.a2a_groups`): dK/dV come back in head layout
+            saved = (q_h, kv_h, lse, dout.contiguous(), y)
+            want_off = offset is not None and ctx.needs_input_grad[3]
+            dq, dk_h, dv_h, d_off = a2a_groups.backward(
+                ctx.run.ring, _own_backward, plan, group, ctx.heads, saved, offset, want_off, shape, n
+            )
+            del saved
+            kv = [dk_h, dv_h]  # handed over: freed once packed
+            del dk_h, dv_h
+            return dq, *_kv_home(kv, kv_parts, plan, group, inv, replicated, shape, dtype), d_off, None, None, None
         # two all-to-alls rather than one of [dout | out]: the concatenation would hold two
         # more copies of both at once
         dout_h = to_heads(dout.contiguous(), q_parts, plan.counts, me, group, perm, exact=False)
         out_h = to_heads(y, q_parts, plan.counts, me, group, perm, exact=False)
         h0, h1 = q_parts[me]
         d_off = None
-        replicated = _overlap(kv_parts)
         if offset is not None and ctx.needs_input_grad[3]:
             d_off = torch.zeros_like(offset)
             if h1 > h0:
                 d_off[h0:h1] = sink_grad(dout_h, out_h, lse, offset[h0:h1]).to(offset.dtype)
-        if h1 > h0 and len(ctx.run.ring.plan.counts) == 1:  # plain a2a: a ring of one
+        if h1 > h0 and plain:
             dq_h, dk_h, dv_h = _own_backward(ctx.run.ring, dout_h, q_h, kv_h, out_h, lse)
         elif h1 > h0:  # fp32 / fp64, dK and dV apart (adopted kernel outputs, no packed zeros)
             saved = [dout_h, q_h, out_h, lse]  # handed over: the ring keeps only the rows it reads
@@ -181,11 +196,24 @@ class _A2AAttention(torch.autograd.Function):
         send = [_permuted(dq_h, inv, room[0])]
         del dq_h
         dq = from_heads(send, q_parts, plan.counts, me, group, ctx.t, ctx.hq, room)
-        room = [_pack_home(dk_h, dv_h, inv, acc_dtype(q_h) if replicated else None, ctx.t, ctx.hkv)]
-        send = [room[0][: dk_h.shape[0] * dk_h.shape[1] * kv_h.shape[-1]].view(*dk_h.shape[:2], kv_h.shape[-1])]
+        kv = [dk_h, dv_h]  # handed over: freed once packed
         del dk_h, dv_h
-        dkv = from_heads(send, kv_parts, plan.counts, me, group, ctx.t, ctx.hkv, room).to(dtype)
-        return dq, dkv[..., :dk], dkv[..., dk:], d_off, None, None, None
+        return dq, *_kv_home(kv, kv_parts, plan, group, inv, replicated, shape, dtype), d_off, None, None, None
+
+
+def _kv_home(kv: list, kv_parts, plan: A2APlan, group, inv, replicated: bool, shape, dtype) -> tuple:
+    """dK and dV of this member's KV heads (``kv``, handed over) moved home in one all-to-all,
+    packed side by side; replicated heads travel in fp32 (fp64) and are summed there, rounded
+    to ``dtype`` once."""
+    t, _, hkv = shape
+    dv_h, dk_h = kv.pop(), kv.pop()
+    room = [_pack_home(dk_h, dv_h, inv, acc_dtype(dk_h) if replicated else None, t, hkv)]
+    width = dk_h.shape[-1] + dv_h.shape[-1]
+    send = [room[0][: dk_h.shape[0] * dk_h.shape[1] * width].view(*dk_h.shape[:2], width)]
+    dk = dk_h.shape[-1]
+    del dk_h, dv_h
+    dkv = from_heads(send, kv_parts, plan.counts, plan.member, group, t, hkv, room).to(dtype)
+    return dkv[..., :dk], dkv[..., dk:]
 
 
 def _overlap(parts: tuple[tuple[int, int], ...]) -> bool:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["split_heads", "to_heads", "from_heads", "head_room"]
+__all__ = ["split_heads", "to_heads", "from_heads", "head_room", "heads_into"]
 
 Range = tuple[int, int]
 
@@ -58,11 +58,31 @@ def _pack_heads(x: torch.Tensor, parts: tuple[Range, ...], room: int = 0) -> tup
     t, width = x.shape[0], int(torch.Size(x.shape[2:]).numel())
     sizes = [t * (b - a) * width for a, b in parts]
     flat = x.new_empty(max(sum(sizes), room))
+    strided = _regular(parts, x.shape[1])
+    if strided is not None:  # every member's range at the same offset of equal blocks: one copy
+        flat[: sum(sizes)].view(len(parts), t, strided.stop - strided.start, *x.shape[2:]).copy_(
+            x.view(t, len(parts), -1, *x.shape[2:])[:, :, strided].transpose(0, 1)
+        )
+        return flat, sizes
     off = 0
     for (a, b), n in zip(parts, sizes):
         flat[off : off + n].view(t, b - a, *x.shape[2:]).copy_(x[:, a:b])
         off += n
     return flat, sizes
+
+
+def _regular(parts: tuple[Range, ...], heads: int) -> slice | None:
+    """``parts`` as one slice of every member's equal block of ``heads // len(parts)`` heads
+    (``parts[m] == (m * P + a, m * P + b)``), or None: then ``[t, heads, *]`` viewed as
+    ``[t, members, P, *]`` holds all members' ranges as one strided view (one copy, not one
+    per member)."""
+    n = len(parts)
+    if heads % n:
+        return None
+    p, (a, b) = heads // n, parts[0]
+    if not 0 <= a < b <= p or any(parts[m] != (m * p + a, m * p + b) for m in range(n)):
+        return None
+    return slice(a, b)
 
 
 def to_heads(
@@ -160,3 +180,28 @@ def from_heads(
     for g, (a, b) in zip(got, parts):
         out[:, a:b].add_(g.view(t, b - a, *d))
     return out
+
+
+def heads_into(y: list[torch.Tensor], parts: tuple[Range, ...], counts: list[int], me: int, group, out) -> None:
+    """:func:`from_heads` of a subset of the heads into ``out`` (``[t, H, D]``, the whole
+    result): members' ranges ``parts`` (disjoint) are written where they belong, the other
+    heads are left as they are. ``y`` (``[T_group, h_me, D]``, one contiguous buffer) is
+    handed over in a one-element list and freed once sent. The a2a backward by head groups
+    sends each group's dq home with it."""
+    y_flat, d, t = y.pop().view(-1), out.shape[2:], out.shape[0]
+    width = int(torch.Size(d).numel())
+    if group is None:
+        a, b = parts[me]
+        out[:, a:b].copy_(y_flat.view(-1, b - a, *d))
+        return
+    sizes = [t * (b - a) * width for a, b in parts]
+    per_row = y_flat.numel() // max(sum(counts), 1)
+    flat = _a2a_flat(y_flat, [n * per_row for n in counts], sizes, group)
+    del y_flat
+    strided = _regular(parts, out.shape[1])
+    if strided is not None:
+        view = flat.view(len(parts), t, strided.stop - strided.start, *d).transpose(0, 1)
+        out.view(t, len(parts), -1, *d)[:, :, strided].copy_(view)
+        return
+    for g, (a, b) in zip(flat.split(sizes), parts):
+        out[:, a:b].copy_(g.view(t, b - a, *d))

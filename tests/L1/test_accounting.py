@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 import megatron_cp_ext as mcx
 from megatron_cp_ext import ops
+from megatron_cp_ext.schedules import a2a_groups
 from megatron_cp_ext.schedules.common import accumulate
 from megatron_cp_ext.testing.accounting import Tracker, add_storage, flash_stub, saved_bytes
 from megatron_cp_ext.testing.pool import run_on_ranks
@@ -58,8 +59,18 @@ def test_saved_for_backward_is_the_ideal(world, comm):
         assert cats <= 2  # per layer (a2a packs K|V, assembles dq and dK|dV), none per varlen call
 
 
-def _peak_worker(rank, world, comm):
-    """Forward and backward peaks over the ideal, as ``benchmarks/memory_launches.py`` counts."""
+def _peak_worker(rank, world, comm, groups=None):
+    """Forward and backward peaks over the ideal, as ``benchmarks/memory_launches.py`` counts;
+    ``groups``: plain a2a's backward head groups (forced: this batch is below the size rule's
+    threshold)."""
+    a2a_groups.GROUPS = groups
+    try:
+        return _peaks(rank, world, comm)
+    finally:
+        a2a_groups.GROUPS = None
+
+
+def _peaks(rank, world, comm):
     group = mcx.hierarchical_cp_groups(2) if comm == "a2a+p2p" else dist.group.WORLD
     sharding = mcx.shard_sequences([0, 410, 615, 768, 870, 921, 972, 1024], world, balance="dualchunk")
     t, hq, hkv, d = sharding.num_tokens(rank), 16, 4, 64
@@ -87,14 +98,22 @@ def _peak_worker(rank, world, comm):
 
 
 # Measured (cp 2 and 4, 16/4 heads, d 64, fp32): forward 1.41 p2p (1.61 at cp 4), 1.99 a2a,
-# 2.20 a2a+p2p; backward 2.69 p2p (3.19 at cp 4), 2.79 a2a, 3.38 a2a+p2p at cp 4. Each bound
-# keeps about one [t, hq, d] buffer (0.2) of margin; the pre-change peaks (3.02 / 3.29 p2p,
-# 3.42 / 4.58 a2a, a2a's backward of 2.99 before it adopted the kernel's dK/dV, and a2a+p2p's
-# 4.18 before its ring narrowed dout/out and adopted its dK/dV partials) fail them.
+# 2.20 a2a+p2p; backward 2.69 p2p (3.19 at cp 4), 2.79 a2a (2.39 by four head groups),
+# 3.38 a2a+p2p at cp 4. Each bound keeps about one [t, hq, d] buffer (0.2) of margin, but the
+# grouped a2a's, which keeps a group's buffer (0.1); the pre-change peaks (3.02 / 3.29 p2p,
+# 3.42 / 4.58 a2a, a2a's backward of 2.99 before it adopted the kernel's dK/dV, 2.79 without
+# head groups, and a2a+p2p's 4.18 before its ring narrowed dout/out and adopted its dK/dV
+# partials) fail them.
 # The worker takes the least of three layers, so a buffer gloo frees late does not count.
 @pytest.mark.parametrize(
-    "world,comm,fwd,bwd", [(2, "p2p", 1.65, 2.95), (2, "a2a", 2.2, 2.95), (4, "a2a+p2p", 2.45, 3.6)]
+    "world,comm,groups,fwd,bwd",
+    [
+        (2, "p2p", None, 1.65, 2.95),
+        (2, "a2a", 1, 2.2, 2.95),
+        (2, "a2a", 4, 2.2, 2.45),
+        (4, "a2a+p2p", None, 2.45, 3.6),
+    ],
 )
-def test_peak_memory_bounds(world, comm, fwd, bwd):
-    for f, b in run_on_ranks(world, _peak_worker, comm, timeout=120):
+def test_peak_memory_bounds(world, comm, groups, fwd, bwd):
+    for f, b in run_on_ranks(world, _peak_worker, comm, groups, timeout=120):
         assert f <= fwd and b <= bwd, (f, b)

@@ -1,0 +1,164 @@
+"""Plain ``a2a`` backward by head groups: one all-to-all pair per group, 1/G of the head-layout
+temporaries alive at a time.
+
+Under the flash contract the backward kernel takes dout and the output in head layout, and
+the caller keeps both in token layout meanwhile; with every head at once, the kernel call has
+dout and the output moved to heads plus the kernel's dq alive (three ``[t, H, D]`` buffers,
+1.2x the ideal in fp32 at 16/4 heads). Split over ``G`` groups of each member's query heads,
+each group moves its share of dout and the output to heads, runs the kernel for those query
+heads with the KV heads they read, and sends its dq home into the (token-layout) dq, so only
+1/G of those three is alive. The price: the whole dq is alive from the first group on; and a
+KV head whose query heads fall into several groups gets one kernel dK/dV per group, summed
+into a head-layout accumulator (fp32 for 16-bit inputs, rounded once at home, like
+replicated KV heads) — one more dK/dV (two for 16-bit) alive at the kernel call. KV heads in
+one group each are written once into that accumulator. dK/dV go home in one all-to-all at the
+end, as without groups.
+
+:func:`choose` picks ``G`` from {1, 2, 4}: valid for the head shards, the modelled peak lower
+than without groups, and each group's all-to-all at least :data:`MIN_GROUP_BYTES` per member.
+Every input is the same on all members, so they agree without communicating.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .common import KV, acc_dtype, sink_grad
+from .heads import Range, heads_into, to_heads
+
+__all__ = ["MIN_GROUP_BYTES", "GROUPS", "group_parts", "choose", "backward"]
+
+MIN_GROUP_BYTES = 1 << 20
+"""Smallest dout all-to-all per member and group (bytes) worth splitting for. An all-to-all
+pays a fixed cost per call beside its bytes' time, and a MiB crosses NVLink in a few
+microseconds: below that, extra collectives cost mostly their fixed part, and the layer's
+buffers are too small for the saving (0.1-0.3x the ideal) to matter. A judgement, not a
+measured knee (docs/performance.md, "a2a backward by head groups")."""
+GROUPS: int | None = None
+"""Forces the largest valid count in {1, 2, 4} up to this one, regardless of size and of the
+modelled peak (tests: small batches); None chooses by :func:`choose`."""
+
+_CANDIDATES = (4, 2)
+
+
+def group_parts(
+    q_parts: tuple[Range, ...], kv_parts: tuple[Range, ...], hq: int, hkv: int, groups: int
+) -> list[tuple[tuple[Range, ...], tuple[Range, ...]]] | None:
+    """Per group: every member's query heads in it and the KV heads they read, or None when
+    ``groups`` does not split every member's query heads into equal runs that each read whole
+    KV heads (a multiple of the GQA ratio, aligned) or one KV head (a part of its queries)."""
+    g, out = hq // hkv, [([], []) for _ in range(groups)]
+    for (q0, q1), (k0, k1) in zip(q_parts, kv_parts):
+        n = q1 - q0
+        if n % groups:
+            return None
+        s = n // groups
+        for j in range(groups):
+            a, b = q0 + j * s, q0 + (j + 1) * s
+            if s == 0:
+                kv = (k0, k0)
+            elif a % g == 0 and b % g == 0:
+                kv = (a // g, b // g)
+            elif a // g == (b - 1) // g:
+                kv = (a // g, a // g + 1)
+            else:
+                return None
+            if s and not k0 <= kv[0] < kv[1] <= k1:
+                return None
+            out[j][0].append((a, b))
+            out[j][1].append(kv)
+    return [(tuple(q), tuple(kv)) for q, kv in out]
+
+
+def _shared(parts: list[tuple[tuple[Range, ...], tuple[Range, ...]]], m: int) -> bool:
+    """Whether member ``m`` reads one KV head in several groups (its dK/dV are then summed)."""
+    kvs = [kv[m] for _, kv in parts if kv[m][1] > kv[m][0]]
+    return len(set(kvs)) < len(kvs)
+
+
+def choose(heads, counts: list[int], hq: int, hkv: int, d: int, dv: int, dtype: torch.dtype) -> int:
+    """The number of head groups for this a2a backward (the same on every member).
+
+    Modelled at the largest member's shard, in bytes: groups free ``(1 - 1/G)`` of dout and
+    the output moved to heads and the kernel's dq, and cost the whole token-layout dq (alive
+    from the first group) plus, where KV heads are shared by groups, their summed dK/dV
+    (acc dtype) beside the kernel's, else 1/G of the kernel's dK/dV. The largest gain wins;
+    no gain, or a group whose dout all-to-all is under :data:`MIN_GROUP_BYTES`, keeps one."""
+    q_parts, kv_parts = heads
+    if GROUPS is not None:
+        return next((c for c in (*_CANDIDATES, 1) if c <= GROUPS and (c == 1 or group_parts(*heads, hq, hkv, c))), 1)
+    m = max(range(len(q_parts)), key=lambda i: q_parts[i][1] - q_parts[i][0])
+    rows, nq, nkv = sum(counts), q_parts[m][1] - q_parts[m][0], kv_parts[m][1] - kv_parts[m][0]
+    size, wide = dtype.itemsize, 8 if dtype == torch.float64 else 4  # the acc dtype's
+    moved = rows * nq * (2 * dv + d) * size  # dout and output in head layout, the kernel's dq
+    home = max(counts) * hq * d * size
+    kv_kernel = rows * nkv * (d + dv) * size
+    best, gain = 1, 0.0
+    for c in _CANDIDATES:
+        parts = group_parts(*heads, hq, hkv, c)
+        if parts is None or rows * nq * dv * size / c < MIN_GROUP_BYTES:
+            continue
+        kv_cost = kv_kernel * wide / size if _shared(parts, m) else kv_kernel / c
+        g = moved * (1 - 1 / c) - home - kv_cost
+        if g > gain:
+            best, gain = c, g
+    return best
+
+
+def backward(ring, own_backward, plan, group, heads, tensors, offset, want_off: bool, shape, groups: int):
+    """dq (token layout), dK and dV (head layout, this member's KV heads: the caller sends them
+    home) and the sink gradient, computed group by group. ``tensors``: the saved ``q_h, kv_h,
+    lse``, the incoming ``dout`` and the saved output ``y`` (token layout); ``shape``: ``(t,
+    hq, hkv)``; ``own_backward``: the a2a ring of one's backward of one block."""
+    q_h, kv_h, lse, dout, y = tensors
+    (q_parts, kv_parts), me, counts, (t, hq, hkv) = heads, plan.member, plan.counts, shape
+    perm, inv = plan.perms_on(dout.device)
+    parts = group_parts(q_parts, kv_parts, hq, hkv, groups)
+    h0, k0 = q_parts[me][0], kv_parts[me][0]
+    dtype = acc_dtype(kv_h) if _shared(parts, me) else kv_h.dtype  # summed partials: widened
+    dq = dout.new_empty((t, hq, q_h.shape[-1]), dtype=q_h.dtype)
+    d_off = torch.zeros_like(offset) if want_off else None
+    acc: list[torch.Tensor | None] = [None, None]
+    done = k0  # KV heads below this one have their dK/dV in ``acc``
+    for q_j, kv_j in parts:
+        dout_h = to_heads(dout, q_j, counts, me, group, perm, exact=False)
+        out_h = to_heads(y, q_j, counts, me, group, perm, exact=False)
+        (a, b), (ka, kb) = q_j[me], kv_j[me]
+        lse_j = lse[:, a - h0 : b - h0]
+        if d_off is not None and b > a:
+            d_off[a:b] = sink_grad(dout_h, out_h, lse_j, offset[a:b]).to(offset.dtype)
+        if b > a:
+            kv = kv_h[:, ka - k0 : kb - k0]
+            g_q, g_k, g_v = own_backward(ring, dout_h, q_h[:, a - h0 : b - h0], kv, out_h, lse_j)
+        else:
+            g_q = q_h.new_zeros((q_h.shape[0], 0, q_h.shape[-1]))
+        del dout_h, out_h
+        send = [g_q.to(q_h.dtype).index_select(0, inv)]
+        del g_q
+        heads_into(send, q_j, counts, me, group, dq)
+        if b > a:
+            for i, g_x in enumerate((g_k, g_v)):
+                acc[i] = _add(acc[i], g_x, (ka - k0, kb - k0), ka >= done, kv_h.shape[:2], dtype)
+            done = max(done, kb)
+            del g_k, g_v, g_x  # before the next group's kernel call
+    if acc[0] is None:  # a member without heads: empty dK/dV to send
+        kv = KV.of(kv_h, ring.dk)
+        acc = [torch.zeros_like(kv.k), torch.zeros_like(kv.v)]
+    return dq, acc[0], acc[1], d_off
+
+
+def _add(acc, g: torch.Tensor, heads: Range, fresh: bool, rows_heads: torch.Size, dtype: torch.dtype):
+    """``g``, the kernel's dK or dV of local KV heads ``heads``, into the accumulator ``acc``
+    (``[rows, heads, D]`` in ``dtype``, made here on first use): adopted when it is the whole
+    accumulator in that dtype, else copied into heads no group wrote yet (``fresh``) or added
+    to the heads an earlier group wrote."""
+    a, b = heads
+    if acc is None:
+        if (a, b) == (0, rows_heads[1]) and g.dtype == dtype and g.is_contiguous():
+            return g
+        acc = g.new_empty((*rows_heads, g.shape[-1]), dtype=dtype)
+    if fresh:
+        acc[:, a:b].copy_(g)
+    else:
+        acc[:, a:b].add_(g)
+    return acc

@@ -1,0 +1,73 @@
+"""Plain a2a's backward by head groups (``schedules/a2a_groups.py``) against the dense fp64
+reference: split KV heads, KV heads shared by groups (summed), replicated KV heads, uneven
+shards, sinks, bf16; and the rule that picks the group count."""
+
+import pytest
+import torch
+
+from megatron_cp_ext.schedules import a2a_groups
+from megatron_cp_ext.schedules.heads import split_heads
+from megatron_cp_ext.testing.cases import AttnCase, check_case, run_case
+from megatron_cp_ext.testing.pool import run_on_ranks
+
+SEQLENS = (40, 0, 1, 77, 9)
+
+
+def _grouped(rank, world, case, groups):
+    """``run_case`` with the backward forced to (at most) ``groups`` head groups."""
+    a2a_groups.GROUPS = groups
+    try:
+        res = run_case(rank, world, case)
+    finally:
+        a2a_groups.GROUPS = None
+    return res
+
+
+CASES = {  # world, hq, hkv, groups, extra
+    "split-kv": (2, 8, 4, 2, {}),  # 2 KV heads per member, one per group
+    "mixed": (2, 8, 4, 4, {}),  # each KV head's 2 query heads in 2 groups
+    "shared-kv": (4, 8, 4, 4, {}),  # 1 KV head per member, its 2 query heads in 2 groups
+    "replicated": (4, 8, 2, 4, {"d": 8, "dv": 6}),  # hkv < cp, MLA dims
+    "sink-noncausal": (4, 8, 4, 2, {"sink": (0.5, -1.0, 2.0, 0.0, 1.0, -0.5, 0.3, 0.9), "causal": False}),
+    "bf16-shared": (4, 8, 4, 2, {"dtype": "bfloat16"}),
+    "bf16-replicated": (4, 8, 2, 2, {"dtype": "bfloat16"}),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_grouped_backward_matches_dense(name):
+    world, hq, hkv, groups, extra = CASES[name]
+    case = AttnCase(seqlens=SEQLENS, comm_type="a2a", hq=hq, hkv=hkv, **extra)
+    check_case(run_on_ranks(world, _grouped, case, groups), case)
+
+
+def test_uneven_shards_fall_back_or_split():
+    """Head counts the members do not share evenly stay exact with two groups forced: 12/6 heads
+    on 4 members (shards of 1 and 2 KV heads: the groups share some members' KV head and split
+    others'), 6/3 (a member with one query head: one group) and 4/2 (replicated KV heads)."""
+    for world, hq, hkv in ((4, 12, 6), (4, 6, 3), (4, 4, 2)):
+        case = AttnCase(seqlens=SEQLENS, comm_type="a2a", hq=hq, hkv=hkv)
+        check_case(run_on_ranks(world, _grouped, case, 2), case)
+
+
+def test_group_parts():
+    heads = split_heads(16, 4, 4)  # 1 KV head and 4 query heads per member
+    parts = a2a_groups.group_parts(*heads, 16, 4, 4)
+    assert parts[1] == (((1, 2), (5, 6), (9, 10), (13, 14)), ((0, 1), (1, 2), (2, 3), (3, 4)))
+    assert a2a_groups.group_parts(*split_heads(16, 4, 2), 16, 4, 2)[1][1] == ((1, 2), (3, 4))
+    assert a2a_groups.group_parts(*split_heads(6, 3, 1), 6, 3, 2) is None  # 3 query heads per group: 1.5 KV
+
+
+@pytest.mark.parametrize(
+    "cp,dtype,tokens,want",
+    [
+        (4, torch.float32, 8192, 4),  # 2 MiB per group's all-to-all: split, a KV head shared
+        (4, torch.bfloat16, 8192, 4),  # 1 MiB: still worth it (fp32 dK/dV sum priced in)
+        (4, torch.float32, 1024, 1),  # 256 KiB per group: too small
+        (2, torch.float32, 8192, 4),
+        (8, torch.float32, 8192, 1),  # replicated KV head: groups would raise the peak
+    ],
+)
+def test_choose(cp, dtype, tokens, want):
+    heads = split_heads(16, 4, cp)
+    assert a2a_groups.choose(heads, [tokens // cp] * cp, 16, 4, 64, 64, dtype) == want
