@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..comm import Peers
+from ..comm import Message, Peers
 from ..ops import gather_rows
 from ..plan import VarlenCall
 from .common import KV, GradAcc, OutAcc, Run, acc_dtype, add_rows, step_backward, step_forward
@@ -126,7 +126,7 @@ def _buffer(own: KV, n: int) -> tuple[KV, list[torch.Tensor]]:
     return KV(kb, vb), [kb, vb]
 
 
-def _kv_messages(own: KV, sl: _Slot | None) -> tuple[KV | None, list[tuple], list[tuple]]:
+def _kv_messages(own: KV, sl: _Slot | None) -> tuple[KV | None, list[Message], list[Message]]:
     """Receive buffer, sends and receives of a step's KV transfer (nothing for an empty slot)."""
     if sl is None:
         return None, [], []
@@ -135,13 +135,13 @@ def _kv_messages(own: KV, sl: _Slot | None) -> tuple[KV | None, list[tuple], lis
     if not st.send.n:
         sends = []
     elif sl.send_idx is not None:
-        sends = [(st.dst, gather_rows(x, sl.send_idx), _KV_TAG) for x in xs]
+        sends = [Message(st.dst, gather_rows(x, sl.send_idx), _KV_TAG) for x in xs]
     else:
-        sends = [(st.dst, x[a:b], _KV_TAG) for x in xs for a, b in st.send.spans]
+        sends = [Message(st.dst, x[a:b], _KV_TAG) for x in xs for a, b in st.send.spans]
     if not sl.recv_cuts:
         return None, sends, []
     buf, parts = _buffer(own, st.recv.n)
-    recvs = [(st.src, x[a:b], _KV_TAG) for x in parts for a, b in sl.recv_cuts]
+    recvs = [Message(st.src, x[a:b], _KV_TAG) for x in parts for a, b in sl.recv_cuts]
     return buf, sends, recvs
 
 
@@ -262,8 +262,8 @@ def _backward(run: Run, saved: tuple | list, kv: KV) -> tuple[torch.Tensor, torc
             st, part = slots[done[0]].step, done[1]
             back = _returned(kv, st.send.n, dtype) if st.send.n else None
             home = (
-                [(st.src, x.result(), _HOME_TAG) for x in (part.k, part.v)] if part is not None else [],
-                [(st.dst, x, _HOME_TAG) for x in (back.k, back.v)] if back is not None else [],
+                [Message(st.src, x.result(), _HOME_TAG) for x in (part.k, part.v)] if part is not None else [],
+                [Message(st.dst, x, _HOME_TAG) for x in (back.k, back.v)] if back is not None else [],
             )
             del part
         nxt = _post(peers, kv, slots[s + 1] if s + 1 < n else None, home)
