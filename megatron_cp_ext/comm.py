@@ -68,8 +68,14 @@ class Peers:
         """Start ``sends`` and ``recvs`` (:class:`Message`, or a ``(peer, tensor)`` /
         ``(peer, tensor, tag)`` tuple read as one); returns the batch, which holds every tensor
         the backend was given until :meth:`wait` (:mod:`.inflight`)."""
-        sends = [self._message(Message(*m), True) for m in sends if m[1].numel()]
-        recvs = [self._message(Message(*m), False) for m in recvs if m[1].numel()]
+        # a tagged (contiguous) Message is posted as it is: no per-message call on the hot path
+        sends = [
+            m if m.__class__ is Message and m.tag is not None and m.tensor.is_contiguous() else self._message(m, True)
+            for m in sends
+            if m[1].numel()
+        ]
+        recvs = [m if m.__class__ is Message and m.tag is not None else self._message(m, False) for m in recvs]
+        recvs = [m for m in recvs if m.tensor.numel()]
         out, into = [m.tensor for m in sends], [m.tensor for m in recvs]
         if not out and not into:
             return Batch([], [])
@@ -89,8 +95,10 @@ class Peers:
             batch.ticket = ledger.post(batch, out, into)
         return batch
 
-    def _message(self, m: Message, send: bool) -> Message:
-        """``m`` as posted: its tag resolved, a non-contiguous send made contiguous (a copy)."""
+    def _message(self, m: Message | tuple, send: bool) -> Message:
+        """``m`` as posted: a Message, its tag resolved, a non-contiguous send made contiguous
+        (a copy)."""
+        m = Message(*m)
         t = m.tensor if not send or m.tensor.is_contiguous() else m.tensor.contiguous()
         if t is m.tensor and m.tag is not None:
             return m
