@@ -27,7 +27,7 @@ from .backends import BACKENDS, get_backend
 from .backends import backend_name as resolved_name
 from .groups import CPGroups, GroupInfo, cp_groups, ranks_crc
 from .masks import MaskSpec
-from .schedules import SCHEDULES, a2a, build_plan
+from .schedules import SCHEDULES, a2a, build_plan, prepare_plan
 from .schedules.common import Run, apply_sink, sink_grad
 from .schedules.max_logit import new_max_logit, reduce_max_logit
 from .schedules.p2p import P2PPlan
@@ -241,6 +241,7 @@ def _get_plan(c: _Call):
     plan = c.sharding._plans.get(key)
     if plan is None:
         plan = c.sharding._plans[key] = build_plan(c.sharding, c.comm_type, g.rank, g.a2a_size, c.mask)
+        prepare_plan(plan, c.q.device)  # index tensors uploaded with the plan, not by layer 1's schedule
     return plan
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import weakref
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -17,7 +18,7 @@ import torch.distributed._functional_collectives as funcol
 
 from . import inflight
 
-__all__ = ["Peers", "Batch", "all_gather_padded", "reduce_scatter_padded", "exchange_ints", "global_ranks"]
+__all__ = ["Message", "Peers", "Batch", "all_gather_padded", "reduce_scatter_padded", "exchange_ints", "global_ranks"]
 
 _GLOBAL_RANKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 """Per process group (weakly held, like :mod:`.groups`' cache)."""
@@ -30,6 +31,19 @@ def global_ranks(group: dist.ProcessGroup) -> tuple[int, ...]:
     if table is None:
         table = _GLOBAL_RANKS[group] = tuple(dist.get_global_rank(group, r) for r in range(dist.get_world_size(group)))
     return table
+
+
+class Message(NamedTuple):
+    """One send or receive of a :meth:`Peers.post` batch."""
+
+    peer: int
+    """Group-local rank of the other end."""
+    tensor: torch.Tensor
+    """What is sent, or the buffer received into."""
+    tag: int | None = None
+    """Its stream's tag; None: the :class:`Peers`' own. A tag per stream lets one batch carry
+    two streams (backends without tags match each pair's messages in posting order, which
+    both sides keep by listing the streams in the same order)."""
 
 
 class Peers:
@@ -50,34 +64,45 @@ class Peers:
         self._direct: dict[str, bool] = {}
         """Per device type: whether sends and receives go straight to the process group."""
 
-    def post(self, sends: list[tuple], recvs: list[tuple]) -> Batch:
-        """Start ``sends`` (peer, tensor) and ``recvs`` (peer, buffer); returns the batch, which
-        holds every tensor the backend was given until :meth:`wait` (:mod:`.inflight`).
-
-        An entry may carry a third element, its tag, so that one batch carries two streams
-        (backends without tags match each pair's messages in posting order, which both sides
-        keep by listing the streams in the same order)."""
-        sends = [(p, t if t.is_contiguous() else t.contiguous(), *tag) for p, t, *tag in sends if t.numel()]
-        recvs = [(p, t, *tag) for p, t, *tag in recvs if t.numel()]
-        out, into = [e[1] for e in sends], [e[1] for e in recvs]
+    def post(self, sends: list[Message | tuple], recvs: list[Message | tuple]) -> Batch:
+        """Start ``sends`` and ``recvs`` (:class:`Message`, or a ``(peer, tensor)`` /
+        ``(peer, tensor, tag)`` tuple read as one); returns the batch, which holds every tensor
+        the backend was given until :meth:`wait` (:mod:`.inflight`)."""
+        # a tagged (contiguous) Message is posted as it is: no per-message call on the hot path
+        sends = [
+            m if m.__class__ is Message and m.tag is not None and m.tensor.is_contiguous() else self._message(m, True)
+            for m in sends
+            if m[1].numel()
+        ]
+        recvs = [m if m.__class__ is Message and m.tag is not None else self._message(m, False) for m in recvs]
+        recvs = [m for m in recvs if m.tensor.numel()]
+        out, into = [m.tensor for m in sends], [m.tensor for m in recvs]
         if not out and not into:
             return Batch([], [])
         device = (out or into)[0].device
         direct = self._direct.get(device.type)
         if direct is None:
             direct = self._direct[device.type] = not _coalesces(self.group, device)
-        tag = self.tag
         if direct:  # what ``batch_isend_irecv`` does for such backends, without its per-op checks
-            works = [self.group.send([e[1]], e[0], e[2] if len(e) > 2 else tag) for e in sends]
-            works += [self.group.recv([e[1]], e[0], e[2] if len(e) > 2 else tag) for e in recvs]
+            works = [self.group.send([m.tensor], m.peer, m.tag) for m in sends]
+            works += [self.group.recv([m.tensor], m.peer, m.tag) for m in recvs]
         else:  # one coalesced group (NCCL)
-            op = lambda f, e: dist.P2POp(f, e[1], self._global[e[0]], self.group, e[2] if len(e) > 2 else tag)  # noqa: E731
-            works = dist.batch_isend_irecv([op(dist.isend, e) for e in sends] + [op(dist.irecv, e) for e in recvs])
+            op = lambda f, m: dist.P2POp(f, m.tensor, self._global[m.peer], self.group, m.tag)  # noqa: E731
+            works = dist.batch_isend_irecv([op(dist.isend, m) for m in sends] + [op(dist.irecv, m) for m in recvs])
         batch = Batch(works, out + into)
         ledger = inflight.ACTIVE[0]
         if ledger is not None:
             batch.ticket = ledger.post(batch, out, into)
         return batch
+
+    def _message(self, m: Message | tuple, send: bool) -> Message:
+        """``m`` as posted: a Message, its tag resolved, a non-contiguous send made contiguous
+        (a copy)."""
+        m = Message(*m)
+        t = m.tensor if not send or m.tensor.is_contiguous() else m.tensor.contiguous()
+        if t is m.tensor and m.tag is not None:
+            return m
+        return Message(m.peer, t, self.tag if m.tag is None else m.tag)
 
     @staticmethod
     def wait(batch: list) -> None:

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from . import attention as att
-from .schedules import SCHEDULES, a2a
+from .schedules import SCHEDULES, a2a, prepare_plan
 from .schedules.common import Run
 from .schedules.p2p import P2PPlan
 from .seq_layout import rows_to_thd, seq_to_thd, thd_to_seq
@@ -47,7 +47,7 @@ class PreparedCPAttention:
         self._groups, self._heads = c.groups, c.heads
         self._run = Run(plan=plan, group=c.groups.p2p, backend=c.backend, scale=c.scale, dk=c.shapes.dqk)
         self._schedule: ModuleType = SCHEDULES["p2p"] if isinstance(plan, P2PPlan) else SCHEDULES["all_gather"]
-        _upload(plan, c.q.device)
+        prepare_plan(plan, c.q.device)  # a lookup where `_get_plan` built the plan here
 
     @property
     def fullgraph(self) -> bool:
@@ -87,23 +87,6 @@ def _attend(p: PreparedCPAttention, q, k, v, offset) -> torch.Tensor:
 _attend_eager = torch.compiler.disable(
     _attend, reason="the p2p ring's batched isend/irecv (P2POp) has no traceable form"
 )
-
-
-def _upload(plan: object, device: torch.device) -> None:
-    """Every index tensor the hot path reads, on ``device`` now (cached on the plan), so the
-    traced call only looks them up."""
-    if isinstance(plan, a2a.A2APlan):
-        plan.perms_on(device)
-        plan = plan.ring
-    if isinstance(plan, P2PPlan):
-        for st in (plan.own, *(s.plan for s in plan.steps)):
-            st.on(device)
-        for s in plan.steps:
-            for rows in (s.send, s.recv):
-                if rows.n and rows.packed:
-                    rows.index_on(device)
-    else:
-        plan.step.on(device)
 
 
 def plan_cp_attention(

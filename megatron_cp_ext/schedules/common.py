@@ -102,9 +102,11 @@ def add_rows(
 
 
 class GradAcc:
-    """A gradient accumulator made on first use: the first partial that covers every row in
-    the accumulator's dtype (the own block's call over all local queries, typically) becomes
-    the accumulator instead of being added to zeros — one ``[t, H, D]`` buffer fewer alive."""
+    """A gradient accumulator made on first use: the first partial that covers every row (the
+    own block's call over all local queries, typically) becomes the accumulator instead of
+    being added to zeros — one ``[t, H, D]`` buffer fewer alive. A 16-bit partial becomes it
+    widened: one op instead of a zero fill and an add, the same values (``0 + x`` is ``x``;
+    only a ``-0.0`` stays ``-0.0`` instead of becoming ``+0.0``) and the same memory."""
 
     def __init__(self, like: torch.Tensor) -> None:
         self.shape, self.dtype, self.device = like.shape, acc_dtype(like), like.device
@@ -114,10 +116,13 @@ class GradAcc:
 
     def add(self, sl: tuple[int, int] | None, idx: torch.Tensor | None, src: torch.Tensor) -> None:
         if self.t is None:
-            whole = sl == (0, self.shape[0]) and src.shape == self.shape
-            if whole and src.dtype == self.dtype and src.is_contiguous():
-                self.t = src
-                return
+            if sl == (0, self.shape[0]) and src.shape == self.shape:
+                if src.dtype != self.dtype:
+                    self.t = src.to(self.dtype, memory_format=torch.contiguous_format)
+                    return
+                if src.is_contiguous():
+                    self.t = src
+                    return
             self.t = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
         if sl is None:
             index_add_rows(self.t, idx, src)

@@ -19,16 +19,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-from ..comm import Peers
+from ..comm import Message, Peers
 from ..ops import gather_rows
 from ..plan import VarlenCall
 from .common import KV, GradAcc, OutAcc, Run, acc_dtype, add_rows, step_backward, step_forward
-from .p2p_plan import P2PPlan, Rows, Step, build_plan
+from .p2p_plan import P2PPlan, Rows, Step, build_plan, plan_narrow
 
-__all__ = ["P2PPlan", "build_plan", "forward", "backward", "backward_packed"]
+__all__ = ["P2PPlan", "build_plan", "prepare", "forward", "backward", "backward_packed"]
 
 # One tag per stream, so no stream ever matches another's message on backends with tags.
 _KV_TAG, _HOME_TAG = 0, 2
@@ -60,33 +59,26 @@ class _Walk:
 
 
 def _walk(plan: P2PPlan, device: torch.device) -> _Walk:
+    """The plan's :class:`_Walk` on ``device``: its index tensors uploaded and put in walking
+    order, once (normally by :func:`prepare`, when the plan is prepared for the device; the
+    host side was planned by :func:`.p2p_plan.build_plan`)."""
     key = str(device)
     walk = plan.walks.get(key)
     if walk is not None:
         return walk
-    own, t = list(plan.own.on(device)), plan.counts[plan.rank]
-    whole = [i for i, c in enumerate(own) if c.q_slice == (0, t)]
-    if whole:
-        own.insert(0, own.pop(whole[0]))
+    own = plan.own.on(device)
+    own = [own[i] for i in plan.own_order] if plan.own_order else list(own)
     slots: list[_Slot | None] = [None] * len(plan.counts)
     for st in plan.steps:
-        cuts, off = [], 0
-        for a, b in st.recv.spans if not st.recv.packed else ((0, st.recv.n),):
-            cuts.append((off, off + b - a))
-            off += b - a
         send_idx = st.send.index_on(device) if st.send.n and st.send.packed else None
-        calls = st.plan.on(device)
-        slots[st.slot] = _Slot(step=st, calls=calls, send_idx=send_idx, recv_cuts=tuple(cuts) if st.recv.n else ())
+        slots[st.slot] = _Slot(step=st, calls=st.plan.on(device), send_idx=send_idx, recv_cuts=st.recv.cuts)
     walk = plan.walks[key] = _Walk(own=own, slots=slots)
     return walk
 
 
 @dataclass(frozen=True, kw_only=True)
 class _Narrow:
-    """The query rows that a ring's calls read after the own block's: where they are fewer
-    than the local rows, a backward that owns ``dout`` and ``out`` (a2a+p2p's head-sharded
-    copies) keeps only these rows of them, gathered once, instead of the whole tensors plus a
-    gather per call. Precomputed once per plan and device."""
+    """A :class:`.p2p_plan.Narrow` on a device."""
 
     rows: torch.Tensor
     """``[r]`` ascending local query rows read by any call of any step."""
@@ -95,35 +87,30 @@ class _Narrow:
     or ``(None, index)``; None where the slot has no calls."""
 
 
-def _call_rows(c: VarlenCall) -> np.ndarray:
-    lo, hi = c.entries[:, 0], c.entries[:, 1]
-    n = hi - lo
-    return np.repeat(lo - (np.cumsum(n) - n), n) + np.arange(int(n.sum()))
-
-
-def _narrow(plan: P2PPlan, walk: _Walk, device: torch.device) -> _Narrow | None:
-    """The plan's :class:`_Narrow`, or None where the ring's calls read every local row (or none)."""
+def _narrow(plan: P2PPlan, device: torch.device) -> _Narrow | None:
+    """The plan's :class:`_Narrow` on ``device``, or None where the ring's calls read every
+    local row (or none). Planned on the host by :func:`.p2p_plan.plan_narrow` (a2a's plan
+    builds it; any other plan plans it here, once)."""
     key = f"{device}#narrow"
     if key in plan.walks:
         return plan.walks[key]
-    per = [[_call_rows(c) for c in sl.calls] if sl is not None and sl.calls else None for sl in walk.slots]
-    every = [r for calls in per if calls for r in calls]
-    union = np.unique(np.concatenate(every)) if every else np.zeros(0, np.int64)
-    narrow = None
-    if 0 < union.size < plan.counts[plan.rank]:
-        local: list[list[tuple] | None] = []
-        for calls in per:
-            ls = []
-            for r in calls or ():
-                pos = np.searchsorted(union, r)
-                if np.array_equal(pos, np.arange(pos[0], pos[0] + pos.size)):
-                    ls.append(((int(pos[0]), int(pos[0]) + pos.size), None))
-                else:
-                    ls.append((None, torch.from_numpy(pos.astype(np.int64)).to(device)))
-            local.append(ls if calls else None)
-        narrow = _Narrow(rows=torch.from_numpy(union.astype(np.int64)).to(device), local=local)
+    if plan.narrow is None:
+        plan.narrow = plan_narrow(plan)
+    host, narrow = plan.narrow, None
+    if host.rows is not None:
+        up = lambda x: torch.from_numpy(x).to(device, non_blocking=True)  # noqa: E731
+        local = [[(sl, None if i is None else up(i)) for sl, i in ls] if ls is not None else None for ls in host.local]
+        narrow = _Narrow(rows=up(host.rows), local=local)
     plan.walks[key] = narrow
     return narrow
+
+
+def prepare(plan: P2PPlan, device: torch.device) -> None:
+    """Upload what the ring reads on ``device`` (its walk, and the narrowed rows where they are
+    planned), so a layer's forward and backward only look them up."""
+    _walk(plan, device)
+    if plan.narrow is not None:
+        _narrow(plan, device)
 
 
 def _buffer(own: KV, n: int) -> tuple[KV, list[torch.Tensor]]:
@@ -139,7 +126,7 @@ def _buffer(own: KV, n: int) -> tuple[KV, list[torch.Tensor]]:
     return KV(kb, vb), [kb, vb]
 
 
-def _kv_messages(own: KV, sl: _Slot | None) -> tuple[KV | None, list[tuple], list[tuple]]:
+def _kv_messages(own: KV, sl: _Slot | None) -> tuple[KV | None, list[Message], list[Message]]:
     """Receive buffer, sends and receives of a step's KV transfer (nothing for an empty slot)."""
     if sl is None:
         return None, [], []
@@ -148,13 +135,13 @@ def _kv_messages(own: KV, sl: _Slot | None) -> tuple[KV | None, list[tuple], lis
     if not st.send.n:
         sends = []
     elif sl.send_idx is not None:
-        sends = [(st.dst, gather_rows(x, sl.send_idx), _KV_TAG) for x in xs]
+        sends = [Message(st.dst, gather_rows(x, sl.send_idx), _KV_TAG) for x in xs]
     else:
-        sends = [(st.dst, x[a:b], _KV_TAG) for x in xs for a, b in st.send.spans]
+        sends = [Message(st.dst, x[a:b], _KV_TAG) for x in xs for a, b in st.send.spans]
     if not sl.recv_cuts:
         return None, sends, []
     buf, parts = _buffer(own, st.recv.n)
-    recvs = [(st.src, x[a:b], _KV_TAG) for x in parts for a, b in sl.recv_cuts]
+    recvs = [Message(st.src, x[a:b], _KV_TAG) for x in parts for a, b in sl.recv_cuts]
     return buf, sends, recvs
 
 
@@ -258,7 +245,7 @@ def _backward(run: Run, saved: tuple | list, kv: KV) -> tuple[torch.Tensor, torc
     pending = _post(peers, kv, slots[1]) if n > 1 else ([], None)
     views: dict = {}
     step_backward(walk.own, run, saved, kv, dq, dkv, views)
-    narrow = _narrow(run.plan, walk, q.device) if owned else None
+    narrow = _narrow(run.plan, q.device) if owned else None
     if narrow is not None:  # keep only the rows the ring reads: each whole tensor freed once gathered
         views, rows = {}, list(saved)
         del saved
@@ -275,8 +262,8 @@ def _backward(run: Run, saved: tuple | list, kv: KV) -> tuple[torch.Tensor, torc
             st, part = slots[done[0]].step, done[1]
             back = _returned(kv, st.send.n, dtype) if st.send.n else None
             home = (
-                [(st.src, x.result(), _HOME_TAG) for x in (part.k, part.v)] if part is not None else [],
-                [(st.dst, x, _HOME_TAG) for x in (back.k, back.v)] if back is not None else [],
+                [Message(st.src, x.result(), _HOME_TAG) for x in (part.k, part.v)] if part is not None else [],
+                [Message(st.dst, x, _HOME_TAG) for x in (back.k, back.v)] if back is not None else [],
             )
             del part
         nxt = _post(peers, kv, slots[s + 1] if s + 1 < n else None, home)

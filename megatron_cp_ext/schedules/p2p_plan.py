@@ -29,7 +29,7 @@ import torch
 from ..masks import MaskSpec
 from ..plan import Layout, StepPlan, plan_steps, visible_rows
 
-__all__ = ["Rows", "Step", "P2PPlan", "CommRows", "build_plan", "MAX_MESSAGES"]
+__all__ = ["Rows", "Step", "P2PPlan", "CommRows", "Narrow", "build_plan", "plan_narrow", "MAX_MESSAGES"]
 
 MAX_MESSAGES = 8
 """Row ranges sent as separate messages (views); more fragmented selections are packed."""
@@ -57,17 +57,41 @@ class Rows:
         """Whether the rows are gathered into one buffer (else each range is a view)."""
         return len(self.ranges) > MAX_MESSAGES
 
+    @functools.cached_property
+    def cuts(self) -> tuple[tuple[int, int], ...]:
+        """Row ranges of a buffer receiving these rows, one per message of a tensor (one when
+        packed, else one per span)."""
+        if self.packed:
+            return ((0, self.n),) if self.n else ()
+        cuts, off = [], 0
+        for a, b in self.spans:
+            cuts.append((off, off + b - a))
+            off += b - a
+        return tuple(cuts) if self.n else ()
+
+    @functools.cached_property
+    def index(self) -> np.ndarray:
+        """The gather index (host)."""
+        n = self.ranges[:, 1] - self.ranges[:, 0]
+        return np.repeat(self.ranges[:, 0] - (np.cumsum(n) - n), n) + np.arange(int(n.sum()))
+
     def index_on(self, device: torch.device) -> torch.Tensor:
         """The gather index on ``device`` (uploaded once)."""
         key = str(device)
         if key not in self._dev:
-            n = self.ranges[:, 1] - self.ranges[:, 0]
-            idx = np.repeat(self.ranges[:, 0] - (np.cumsum(n) - n), n) + np.arange(int(n.sum()))
-            self._dev[key] = torch.from_numpy(idx).to(device, non_blocking=True)
+            self._dev[key] = torch.from_numpy(self.index).to(device, non_blocking=True)
         return self._dev[key]
 
-    def __getstate__(self) -> dict:
-        return {"ranges": self.ranges, "_dev": {}}
+    def host(self) -> Rows:
+        """Fill the host caches the ring reads (done when the plan is built; they travel with
+        a pickled plan, so a plan built in a loader worker arrives with them)."""
+        _ = self.n, self.spans, self.cuts
+        if self.n and self.packed:
+            _ = self.index
+        return self
+
+    def __getstate__(self) -> dict:  # host caches travel, device copies never do
+        return {**self.__dict__, "_dev": {}}
 
 
 @dataclass
@@ -111,8 +135,15 @@ class P2PPlan:
     steps: list[Step]
     """Steps with anything to send or receive, in slot order."""
     rows: CommRows
+    own_order: tuple[int, ...] = ()
+    """Order in which the ring runs ``own``'s calls: a call over every local query first, so
+    its kernel outputs become the forward and gradient accumulators."""
+    narrow: Narrow | None = None
+    """What a backward owning ``dout`` and ``out`` keeps of them (:func:`plan_narrow`); planned
+    for a2a's ring only (None: not planned)."""
     walks: dict = field(default_factory=dict, repr=False, compare=False)
-    """Per device: what the schedule precomputes to walk the steps (see ``p2p._walk``)."""
+    """Per device: the ring's walk over the steps with its index tensors uploaded (see
+    ``p2p.prepare``); everything host-side is planned by :func:`build_plan`."""
 
     @property
     def num_steps(self) -> int:
@@ -120,6 +151,58 @@ class P2PPlan:
 
     def __getstate__(self) -> dict:  # device copies never travel (plans are built in loaders)
         return {**self.__dict__, "walks": {}}
+
+
+@dataclass(frozen=True)
+class Narrow:
+    """The query rows that a ring's calls read after the own block's (host part): where they
+    are fewer than the local rows, a backward that owns ``dout`` and ``out`` (a2a+p2p's
+    head-sharded copies) keeps only these rows of them, gathered once, instead of the whole
+    tensors plus a gather per call."""
+
+    rows: np.ndarray | None
+    """``[r]`` ascending local query rows read by any call of any step; None where the calls
+    read every local row (or none): nothing is narrowed."""
+    local: list[list[tuple] | None]
+    """Index s: step s's calls' rows in the narrowed copies, each ``(slice, None)`` (a view)
+    or ``(None, positions)`` (host int64); None where the slot has no calls."""
+
+
+def _call_rows(entries: np.ndarray) -> np.ndarray:
+    lo, hi = entries[:, 0], entries[:, 1]
+    n = hi - lo
+    return np.repeat(lo - (np.cumsum(n) - n), n) + np.arange(int(n.sum()))
+
+
+def plan_narrow(plan: P2PPlan) -> Narrow:
+    """The :class:`Narrow` of ``plan`` (numpy on the host, once per plan)."""
+    per: list[list[np.ndarray] | None] = [None] * len(plan.counts)
+    for st in plan.steps:
+        if st.plan.calls:
+            per[st.slot] = [_call_rows(c.entries) for c in st.plan.calls]
+    every = [r for calls in per if calls for r in calls]
+    union = np.unique(np.concatenate(every)) if every else np.zeros(0, np.int64)
+    if not 0 < union.size < plan.counts[plan.rank]:
+        return Narrow(None, [])
+    local: list[list[tuple] | None] = []
+    for calls in per:
+        ls = []
+        for r in calls or ():
+            pos = np.searchsorted(union, r)
+            if np.array_equal(pos, np.arange(pos[0], pos[0] + pos.size)):
+                ls.append(((int(pos[0]), int(pos[0]) + pos.size), None))
+            else:
+                ls.append((None, pos.astype(np.int64)))
+        local.append(ls if calls else None)
+    return Narrow(union.astype(np.int64), local)
+
+
+def _own_order(own: StepPlan, t: int) -> tuple[int, ...]:
+    order = list(range(len(own.calls)))
+    whole = [i for i, c in enumerate(own.calls) if c.q_slice == (0, t)]
+    if whole:
+        order.insert(0, order.pop(whole[0]))
+    return tuple(order)
 
 
 def _ranges(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
@@ -158,9 +241,10 @@ def build_plan(segments: list[np.ndarray], rank: int, mask: MaskSpec) -> P2PPlan
     empty = np.zeros((0, 2), np.int64)
     steps = []
     for s in sorted(set(recv_of) | set(send_of)):
-        recv, send = Rows(recv_of.get(s, empty)), Rows(send_of.get(s, empty))
+        recv, send = Rows(recv_of.get(s, empty)).host(), Rows(send_of.get(s, empty)).host()
         steps.append(Step(s, (rank - s) % n, recv, plans.get(s, StepPlan([])), (rank + s) % n, send))
     received = sum(st.recv.n for st in steps)
     rows = CommRows(sent=sum(st.send.n for st in steps), received=received, needed=received)
     counts = [int((s[:, 2] - s[:, 1]).sum()) for s in segments]
-    return P2PPlan(counts, rank, plans.get(0, StepPlan([])), steps, rows)
+    own = plans.get(0, StepPlan([]))
+    return P2PPlan(counts, rank, own, steps, rows, own_order=_own_order(own, counts[rank]))

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import megatron_cp_ext as mcx
 from megatron_cp_ext import ops
 from megatron_cp_ext.schedules import a2a_groups
-from megatron_cp_ext.schedules.common import accumulate
+from megatron_cp_ext.schedules.common import GradAcc, accumulate
 from megatron_cp_ext.testing.accounting import Tracker, add_storage, flash_stub, saved_bytes
 from megatron_cp_ext.testing.pool import run_on_ranks
 
@@ -36,6 +36,25 @@ def test_accumulate_is_one_op():
         accumulate(acc, None, torch.tensor([0, 0, 9, 1]), src)
     assert tr.num_ops == 2, tr.ops
     assert acc.sum() == 2 * src.sum() and acc[0].sum() == 12
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_grad_acc_adopts_16bit_whole_partial_widened(dtype):
+    """A 16-bit partial over every row becomes the fp32 accumulator in one op (the widening),
+    holding what a zero fill plus an add would hold; later partials add in one op each."""
+    like, first, part = torch.zeros(10, 2, 3, dtype=dtype), torch.randn(10, 2, 3), torch.randn(4, 2, 3)
+    first, part = first.to(dtype), part.to(dtype)
+    acc = GradAcc(like)
+    with Tracker() as tr:
+        acc.add((0, 10), None, first)
+    assert tr.num_ops == 1, tr.ops
+    with Tracker() as tr:
+        acc.add((3, 7), None, part)
+    assert tr.num_ops == 1, tr.ops
+    want = torch.zeros(10, 2, 3).add_(first)
+    want[3:7] += part
+    got = acc.result()
+    assert got.dtype == torch.float32 and got.is_contiguous() and torch.equal(got, want)
 
 
 def _saved_worker(rank, world, comm):
