@@ -7,12 +7,11 @@ plans do, vectorised over all pairs (one sort per pass instead of one plan per r
 
 from __future__ import annotations
 
-import heapq
-
 import numpy as np
 
 from ..geometry import BIG, TILE, tile_area
 from ..plan.calls import MAX_SLICE_CALLS
+from ..plan.levels import interval_levels
 from .chains import expand
 
 __all__ = ["Overlap", "price_entries", "starts"]
@@ -85,9 +84,10 @@ def _runs(keys: list[np.ndarray], out: np.ndarray, size: int, fixed: np.ndarray 
     order = _order([*group, q0, k0])
     group, q0, q1, k0, k1, out = [g[order] for g in group], q0[order], q1[order], k0[order], k1[order], out[order]
     level = _rank_levels(group[0], q0, q1, starts(group), None if fixed is None else fixed[order])
-    order = _order([*group, level, q0, k0])
-    group, q0, q1, k0, k1, out, level = ([g[order] for g in group], q0[order], q1[order], k0[order], k1[order],
-                                         out[order], level[order])  # fmt: skip
+    if level.any():  # else the entries are already sorted by group, level, q0, k0
+        order = _order([*group, level, q0, k0])
+        group, q0, q1, k0, k1, out, level = ([g[order] for g in group], q0[order], q1[order], k0[order], k1[order],
+                                             out[order], level[order])  # fmt: skip
     head = starts([*group, level])
     brk = head.copy()
     brk[1:] |= (q0[1:] != q1[:-1]) | (k0[1:] != k1[:-1])
@@ -105,8 +105,12 @@ def _rank_levels(rank, q0: np.ndarray, q1: np.ndarray, head: np.ndarray, fixed: 
     gid = np.cumsum(head) - 1
     idx = np.arange(len(q0))
     level = idx - np.maximum.accumulate(np.where(starts([gid, q0, q1]), idx, 0))
-    order = np.lexsort((q0, level, gid))
-    q0s, q1s, first = q0[order], q1[order], starts([gid[order], level[order]])
+    top = int(level.max()) if len(level) else 0
+    if top:  # by group, level; a stable sort keeps query-start order inside (as lexsort does)
+        order = np.argsort(gid * (top + 1) + level, kind="stable")
+        q0s, q1s, first = q0[order], q1[order], starts([gid[order], level[order]])
+    else:  # one level: already in that order
+        order, q0s, q1s, first = idx, q0, q1, head
     prev = np.concatenate([[-1], q1s[:-1]])
     prev[first] = -1
     off = (np.cumsum(first) - 1) * (4 * BIG)  # keeps the running maximum inside each call
@@ -123,28 +127,8 @@ def _rank_levels(rank, q0: np.ndarray, q1: np.ndarray, head: np.ndarray, fixed: 
         clash = q0 < np.maximum.accumulate(prev + off) - off
         sel &= np.isin(gid, gid[clash])
         level[np.isin(rank, redo) & ~sel] = 0
-        level[sel] = _heap_levels(q0[sel], q1[sel], gid[sel])
+        level[sel] = interval_levels(q0[sel], q1[sel], gid[sel])
     return level
-
-
-def _heap_levels(q0: np.ndarray, q1: np.ndarray, gid: np.ndarray) -> np.ndarray:
-    """``plan.calls._levels``' general case (interval partitioning per group, in entry order:
-    a call whose last entry ended is reused, the earliest-ending first, else a new call) on
-    plain lists, all groups in one pass."""
-    out = [0] * len(q0)
-    ends: list[tuple[int, int]] = []
-    prev = None
-    for i, (a, b, g) in enumerate(zip(q0.tolist(), q1.tolist(), gid.tolist())):
-        if g != prev:
-            ends, prev = [], g
-        if ends and ends[0][0] <= a:
-            lvl = ends[0][1]
-            heapq.heapreplace(ends, (b, lvl))
-        else:
-            lvl = len(ends)
-            heapq.heappush(ends, (b, lvl))
-        out[i] = lvl
-    return np.asarray(out, np.int64)
 
 
 def _order(cols: list[np.ndarray]) -> np.ndarray:
