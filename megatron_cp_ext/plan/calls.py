@@ -23,7 +23,6 @@ How entries become calls, cheapest first (design: "plans shaped for the GPU"):
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -31,6 +30,7 @@ import torch
 
 from ..geometry import BIG, band_blocks, bounds, chunk_units
 from ..masks import MaskSpec
+from .levels import interval_levels
 
 __all__ = ["Layout", "VarlenCall", "StepPlan", "plan_steps", "visible_rows", "merge_ranges", "MAX_SLICE_CALLS"]
 
@@ -315,18 +315,7 @@ def _levels(q0: np.ndarray, q1: np.ndarray, head: np.ndarray) -> np.ndarray:
     order = np.lexsort((q0, level, np.cumsum(head)))
     if _disjoint(q0[order], q1[order], _groups(np.cumsum(head)[order], level[order])):
         return level
-    level = np.zeros(len(q0), _I64)  # general case: interval partitioning, per group
-    gid = np.cumsum(head) - 1
-    for g in np.unique(gid):
-        ends: list[tuple[int, int]] = []  # heap of (end, level)
-        for i in np.nonzero(gid == g)[0]:
-            if ends and ends[0][0] <= q0[i]:
-                _, lvl = heapq.heappop(ends)
-            else:
-                lvl = len(ends)
-            level[i] = lvl
-            heapq.heappush(ends, (int(q1[i]), lvl))
-    return level
+    return interval_levels(q0, q1, np.cumsum(head) - 1)  # general case: interval partitioning
 
 
 def _calls(buf, q0, q1, k0, k1, left, right) -> dict[int, list[VarlenCall]]:

@@ -7,12 +7,11 @@ plans do, vectorised over all pairs (one sort per pass instead of one plan per r
 
 from __future__ import annotations
 
-import heapq
-
 import numpy as np
 
 from ..geometry import BIG, TILE, tile_area
 from ..plan.calls import MAX_SLICE_CALLS
+from ..plan.levels import interval_levels
 from .chains import expand
 
 __all__ = ["Overlap", "price_entries", "starts"]
@@ -49,55 +48,62 @@ def price_entries(buf, size, per_rank: int, q0, sq, k0, sk, left, right, fixed=N
     p = slice(nf, None) if fixed is None else nf + np.nonzero(~fixed[band])[0]
     band_area = tile_area(q1[p] - q0[p], k1[p] - k0[p], left[p], right[p]).astype(np.float64)
     area += np.bincount(buf[p], weights=band_area, minlength=size)
+    keys = [buf // per_rank, buf, left, right, q0, q1, k0, k1]
     if fixed is None:
-        return area, _runs([buf // per_rank, buf, left, right, q0, q1, k0, k1], buf, size, None)
-    qm, km, members = merged if merged is not None else (None, None, None)
+        return area, _runs(keys, buf, size, None)[0]
     fixed = np.concatenate([np.zeros(nf, bool), fixed[band]])
-    try:
-        return area, _runs([buf // per_rank, buf, left, right, q0, q1, k0, k1], buf, size, fixed)
-    except Overlap as e:
-        if merged is None:
-            raise
-        redo = e.args[0]
-    # those ranks' merged entries back as their members' own entries (area already priced)
+    calls, redo = _runs(keys, buf, size, fixed)
+    if not len(redo):
+        return area, calls
+    if merged is None:
+        raise Overlap(redo)
+    # those ranks' entries again, the merged ones as their members' own (area already priced)
+    qm, km, members = merged
     qm, km = (np.concatenate([np.full(nf, -1), x[band]]) for x in (qm, km))
-    sel = np.nonzero(fixed & np.isin(buf // per_rank, redo))[0]
+    mine = np.isin(keys[0], redo)
+    sel = np.nonzero(fixed & mine)[0]
     rep, qo, ql, ko, kl = expand(sel, qm, km, members)
-    keep = np.ones(len(buf), bool)
-    keep[sel] = False
-    cols = [np.concatenate([x[keep], y]) for x, y in zip(
-        (buf, left, right, q0, k0), (buf[rep], left[rep], right[rep], q0[rep] + qo, k0[rep] + ko))]  # fmt: skip
-    buf, left, right, q0, k0 = cols
-    q1 = np.concatenate([q1[keep], q0[-len(rep) :] + ql]) if len(rep) else q1[keep]
-    k1 = np.concatenate([k1[keep], k0[-len(rep) :] + kl]) if len(rep) else k1[keep]
-    fixed = np.concatenate([fixed[keep], np.zeros(len(rep), bool)])
-    return area, _runs([buf // per_rank, buf, left, right, q0, q1, k0, k1], buf, size, fixed)
+    keep = mine & ~fixed
+    q0r, k0r = q0[rep] + qo, k0[rep] + ko
+    cols = [np.concatenate([x[keep], x[rep]]) for x in (buf, left, right)]
+    cols += [np.concatenate([x[keep], y]) for x, y in ((q0, q0r), (q1, q0r + ql), (k0, k0r), (k1, k0r + kl))]
+    return area, calls + _runs([cols[0] // per_rank, *cols], cols[0], size, None)[0]
 
 
-def _runs(keys: list[np.ndarray], out: np.ndarray, size: int, fixed: np.ndarray | None) -> np.ndarray:
-    """Per ``out`` id, the calls of entries grouped by ``keys`` (the last four: ``q0, q1, k0,
-    k1`` rows), as :func:`~megatron_cp_ext.plan.calls.plan_steps` splits them: entries over the
-    same query rows go to separate calls (``plan.calls._levels``); a level whose entries form at most
-    ``MAX_SLICE_CALLS`` runs of consecutive rows is that many slice calls, else one gather."""
+def _runs(keys: list[np.ndarray], out: np.ndarray, size: int, fixed: np.ndarray | None):
+    """Per ``out`` id, the calls of entries grouped by ``keys`` (the first: the rank; the last
+    four: ``q0, q1, k0, k1`` rows), as :func:`~megatron_cp_ext.plan.calls.plan_steps` splits
+    them: entries over the same query rows go to separate calls (``plan.calls._levels``); a
+    level whose entries form at most ``MAX_SLICE_CALLS`` runs of consecutive rows is that many
+    slice calls, else one gather. Returns ``(calls, redo)``: ``redo``, the ranks holding
+    ``fixed`` entries that need the general interval partitioning, count no calls here."""
+    redo = np.zeros(0, np.int64)
     if not len(out):
-        return np.zeros(size, np.int64)
+        return np.zeros(size, np.int64), redo
     *group, q0, q1, k0, k1 = keys
     order = _order([*group, q0, k0])
     group, q0, q1, k0, k1, out = [g[order] for g in group], q0[order], q1[order], k0[order], k1[order], out[order]
-    level = _rank_levels(group[0], q0, q1, starts(group), None if fixed is None else fixed[order])
-    order = _order([*group, level, q0, k0])
-    group, q0, q1, k0, k1, out, level = ([g[order] for g in group], q0[order], q1[order], k0[order], k1[order],
-                                         out[order], level[order])  # fmt: skip
+    level, redo = _rank_levels(group[0], q0, q1, starts(group), None if fixed is None else fixed[order])
+    if len(redo):  # ranks are independent (the rank is the first group key): drop those
+        keep = ~np.isin(group[0], redo)
+        group, q0, q1, k0, k1, out, level = [g[keep] for g in group], q0[keep], q1[keep], k0[keep], k1[keep], \
+            out[keep], level[keep]  # fmt: skip
+        if not len(out):
+            return np.zeros(size, np.int64), redo
+    if level.any():  # else the entries are already sorted by group, level, q0, k0
+        order = _order([*group, level, q0, k0])
+        group, q0, q1, k0, k1, out, level = ([g[order] for g in group], q0[order], q1[order], k0[order], k1[order],
+                                             out[order], level[order])  # fmt: skip
     head = starts([*group, level])
     brk = head.copy()
     brk[1:] |= (q0[1:] != q1[:-1]) | (k0[1:] != k1[:-1])
     first = np.nonzero(head)[0]
     runs = np.add.reduceat(brk, first)
     calls = np.where(runs <= MAX_SLICE_CALLS, runs, 1)
-    return np.bincount(out[first], weights=calls, minlength=size).astype(np.int64)
+    return np.bincount(out[first], weights=calls, minlength=size).astype(np.int64), redo
 
 
-def _rank_levels(rank, q0: np.ndarray, q1: np.ndarray, head: np.ndarray, fixed: np.ndarray | None) -> np.ndarray:
+def _rank_levels(rank, q0: np.ndarray, q1: np.ndarray, head: np.ndarray, fixed: np.ndarray | None):
     """``plan.calls._levels`` of every rank's entries (sorted by ``rank``, group, query start;
     ``head``: group starts) as if computed rank by rank: entries over the very same query rows
     take one level each, unless that leaves overlaps in a rank, which then gets the general
@@ -105,46 +111,37 @@ def _rank_levels(rank, q0: np.ndarray, q1: np.ndarray, head: np.ndarray, fixed: 
     gid = np.cumsum(head) - 1
     idx = np.arange(len(q0))
     level = idx - np.maximum.accumulate(np.where(starts([gid, q0, q1]), idx, 0))
-    order = np.lexsort((q0, level, gid))
-    q0s, q1s, first = q0[order], q1[order], starts([gid[order], level[order]])
+    top = int(level.max()) if len(level) else 0
+    if top:  # by group, level; a stable sort keeps query-start order inside (as lexsort does)
+        order = np.argsort(gid * (top + 1) + level, kind="stable")
+        q0s, q1s, first = q0[order], q1[order], starts([gid[order], level[order]])
+    else:  # one level: already in that order
+        order, q0s, q1s, first = idx, q0, q1, head
     prev = np.concatenate([[-1], q1s[:-1]])
     prev[first] = -1
     off = (np.cumsum(first) - 1) * (4 * BIG)  # keeps the running maximum inside each call
     bad = q0s < np.maximum.accumulate(prev + off) - off
     redo = np.unique(rank[order][bad])
     if len(redo) and fixed is not None and np.isin(redo, rank[fixed]).any():
-        raise Overlap(redo)
+        return level, redo  # their merged entries go back to the members' own first
     if len(redo):  # such a rank fails both of _levels' quick checks: interval partitioning
-        sel = np.isin(rank, redo)
+        mine = _member(rank, redo)
         # a group of disjoint entries stays in one call (the partitioning reuses it throughout)
         prev = np.concatenate([[-1], q1[:-1]])
         prev[head] = -1
         off = gid * (4 * BIG)
         clash = q0 < np.maximum.accumulate(prev + off) - off
-        sel &= np.isin(gid, gid[clash])
-        level[np.isin(rank, redo) & ~sel] = 0
-        level[sel] = _heap_levels(q0[sel], q1[sel], gid[sel])
-    return level
+        sel = mine & _member(gid, gid[clash])
+        level[mine & ~sel] = 0
+        level[sel] = interval_levels(q0[sel], q1[sel], gid[sel])
+    return level, np.zeros(0, np.int64)
 
 
-def _heap_levels(q0: np.ndarray, q1: np.ndarray, gid: np.ndarray) -> np.ndarray:
-    """``plan.calls._levels``' general case (interval partitioning per group, in entry order:
-    a call whose last entry ended is reused, the earliest-ending first, else a new call) on
-    plain lists, all groups in one pass."""
-    out = [0] * len(q0)
-    ends: list[tuple[int, int]] = []
-    prev = None
-    for i, (a, b, g) in enumerate(zip(q0.tolist(), q1.tolist(), gid.tolist())):
-        if g != prev:
-            ends, prev = [], g
-        if ends and ends[0][0] <= a:
-            lvl = ends[0][1]
-            heapq.heapreplace(ends, (b, lvl))
-        else:
-            lvl = len(ends)
-            heapq.heappush(ends, (b, lvl))
-        out[i] = lvl
-    return np.asarray(out, np.int64)
+def _member(x: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """``np.isin(x, values)`` for small non-negative ids (a lookup table, no sort)."""
+    hit = np.zeros(int(x.max()) + 1, bool)
+    hit[values] = True
+    return hit[x]
 
 
 def _order(cols: list[np.ndarray]) -> np.ndarray:
