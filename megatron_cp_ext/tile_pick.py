@@ -30,7 +30,7 @@ from .plan.calls import Layout, _entries, _pieces, visible_rows
 if TYPE_CHECKING:
     from .balance_pick import Search
 
-__all__ = ["rank_tiles", "refine", "GOAL", "GOAL_OF_ONE", "LOOSE", "REACH"]
+__all__ = ["rank_tiles", "refine", "GOAL", "GOAL_OF_ONE", "LOOSE", "MAX_RANKS", "REACH"]
 
 GOAL = 0.90
 """Tile efficiency (useful score entries over visited tile area) the goal asks for."""
@@ -43,6 +43,10 @@ REACH = 1.10
 """Batches whose tile area is above the goal's by more than this are left alone: the passes
 move cuts by a few tiles (they lower the area by at most 12 % on the balance families), and
 most such batches are small ranks whose row tiles alone miss the goal."""
+MAX_RANKS = 32
+"""The step runs up to this CP size: each extra pass at cp 64 on ranks of 1K-4K tokens costs
+about as much as the whole pick (35-40 ms of host time per pass, up to three passes), for a
+largest-rank tile area 2-8 % smaller on the balance families."""
 ESTIMATE_HIGH = 1.4
 """How far above the exact area the per-unit estimate (:func:`.balance_pick.tile_estimate`)
 may lie (at most 1.33 on the balance families): above that, the exact count is skipped."""
@@ -110,7 +114,7 @@ def refine(search: Search, chosen: int) -> Segs:
     order)."""
     useful = float(search.work[0].sum())
     need = max(useful / GOAL, search.unsharded_area() / GOAL_OF_ONE)  # largest total area meeting the goal
-    if chosen == 1 or search.tiles[chosen] > REACH * ESTIMATE_HIGH * need:
+    if chosen == 1 or len(search.counts) > MAX_RANKS or search.tiles[chosen] > REACH * ESTIMATE_HIGH * need:
         return search.cands[chosen]  # dual-chunk's pieces (every document on every rank) stay
     area = rank_tiles([search.cands[chosen]], search.mask)[0]
     if not need < area.sum() <= REACH * need:
