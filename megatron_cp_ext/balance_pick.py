@@ -22,6 +22,9 @@ token's share on such ranks) never costs a quarter of the tile efficiency.
 Tiles are estimated per unit (document, or chunk under chunked attention) from its pieces'
 row tiles: a unit cut into pieces of lengths ``l_i`` occupies ``sum(ceil(l_i / 128))`` row
 (and key) tiles instead of ``ceil(n / 128)``, and its tile area grows with their square.
+Where the pick then misses the tile goal by a little, the tile step
+(:func:`.tile_pick.refine`) counts exact per-rank tile areas and may trade the estimate's
+pick for one with a shorter largest rank (:mod:`.tile_pick`).
 """
 
 from __future__ import annotations
@@ -32,9 +35,10 @@ import numpy as np
 
 from .geometry import TILE, bounds, chunk_units, tile_area, work_prefix
 from .masks import MaskSpec
+from .tile_pick import refine
 from .workload import TOLERANCE, Step, workload_segments
 
-__all__ = ["pick", "rank_work", "tile_estimate", "SEARCH_TOKENS"]
+__all__ = ["pick", "rank_work", "tile_estimate", "Search", "SEARCH_TOKENS", "TILE_STEP"]
 
 SEARCH_TOKENS = 1 << 18
 """Batches of at most this many tokens get the candidate search (a few milliseconds each);
@@ -44,6 +48,8 @@ WORK_BOUND = 1.03
 WORK_SLACK = 5e-4
 """How far a candidate's work max/mean may exceed the dual-chunk split's and still count as
 balanced as it: about one token's share of a rank's work at a few hundred tokens per rank."""
+TILE_STEP = True
+"""Whether :func:`pick` ends with the exact tile step (off: the estimates' pick alone)."""
 TOLERANCES = (TOLERANCE, 0.0, 3 * TOLERANCE)
 """Work misses the stream's candidates accept for tile-aligned cuts (the first is the default)."""
 
@@ -123,6 +129,82 @@ def tile_estimate(lens: np.ndarray, per_rank: Segs, mask: MaskSpec) -> float:
     return float((area * (rows / np.maximum(own, 1)) ** 2).sum())
 
 
+class Search:
+    """The candidates of one batch: segments, exact work, estimated tiles, and the passes run
+    (shared by :func:`pick` and the tile step, :func:`.tile_pick.refine`)."""
+
+    slack = WORK_SLACK
+    bound_max = WORK_BOUND
+
+    def __init__(self, lens: np.ndarray, counts: list[int], mask: MaskSpec, dualchunk: Callable[[], Segs]) -> None:
+        self.lens, self.counts, self.mask = lens, counts, mask
+        self.traces: dict[bool, list[Step]] = {False: [], True: []}  # per direction, its first pass
+        self.ran: dict[tuple[float, bool], float] = {}  # pass -> the bound it ran under
+        self.score = _Scorer(lens, mask)
+        self.cands: list[Segs] = []
+        self.work: list[np.ndarray] = []
+        self.tiles: list[float] = []
+        self.imb: list[float] = []
+        first = workload_segments(lens, counts, mask, trace=self.traces[False])
+        self.ran[(TOLERANCE, False)] = float("inf")
+        scored = self.score(first)
+        self.mean = max(scored[0].mean(), 1e-30)  # every candidate's: the batch's work over the ranks
+        self._add(first, scored)
+        self._add(dualchunk())
+
+    def _add(self, segs: Segs, scored: tuple[np.ndarray, float] | None = None) -> None:
+        work, tiles = self.score(segs) if scored is None else scored
+        self.cands.append(segs)
+        self.work.append(work)
+        self.tiles.append(tiles)
+        self.imb.append(work.max() / self.mean)
+
+    def unsharded_area(self) -> float:
+        """Tile area of the batch unsharded (every unit whole)."""
+        return float(self.score.area.sum())
+
+    def run(self, tol: float, rev: bool, bound: float | None) -> None:
+        """One more pass (``rev``: ranks served in reverse order), added if it completes;
+        ``bound``: stop it at the first rank whose work max/mean would exceed it."""
+        if self.ran.get((tol, rev), -1.0) >= (float("inf") if bound is None else bound):
+            return
+        self.ran[(tol, rev)] = float("inf") if bound is None else bound
+        give_up = None if bound is None else (lambda w: w / self.mean > bound)
+        counts = self.counts[::-1] if rev else self.counts
+        trace = self.traces[rev]
+        kw = dict(replay=trace) if trace else dict(trace=trace)
+        c = workload_segments(self.lens, counts, self.mask, tol, give_up=give_up, **kw)
+        if c is not None:
+            self.ran[(tol, rev)] = float("inf")
+            self._add(c[::-1] if rev else c)
+
+    def passes(self, loose: tuple[float, ...] = ()) -> list[tuple[float, bool]]:
+        """The search's passes: the tolerances, then the reversed one (skipped where the counts
+        read the same both ways: it would be the first pass's ranks reversed); given ``loose``
+        multiples of the tolerance, the reversed one and those, reversed where the counts are
+        not symmetric (the reversed passes win most often), else forward."""
+        rev = self.counts != self.counts[::-1]
+        if loose:
+            return [(TOLERANCE, True)] * rev + [(f * TOLERANCE, rev) for f in loose]
+        return [(t, False) for t in TOLERANCES[1:]] + [(TOLERANCE, True)] * rev
+
+    def choose(self) -> int:
+        """Index of the candidate the estimates pick (see :func:`pick`)."""
+        imb, tiles = self.imb, self.tiles
+        bound = min(imb[1] + WORK_SLACK, WORK_BOUND)
+        if imb[0] <= bound and (tiles[0] <= tiles[1] or imb[1] > bound):
+            return 0
+        if imb[0] <= bound:  # trade tiles for at most one token's share of work, never more
+            bound = min(bound, imb[0] + WORK_SLACK)
+        # a pass with one rank over the bound is inadmissible; while one of the first two is
+        # admissible, such a pass cannot be picked (else the least imbalanced one is)
+        give_up = bound if min(imb) <= bound else None
+        for tol, rev in self.passes():
+            self.run(tol, rev, give_up)
+        ok = [i for i in range(len(self.cands)) if imb[i] <= bound] or [int(np.argmin(imb))]
+        return min((tiles[i], imb[i], i) for i in ok)[2]
+
+
 def pick(lens: np.ndarray, counts: list[int], mask: MaskSpec, dualchunk: Callable[[], Segs]) -> Segs:
     """Per rank segments: the default workload stream, or on small batches the best candidate.
 
@@ -132,35 +214,10 @@ def pick(lens: np.ndarray, counts: list[int], mask: MaskSpec, dualchunk: Callabl
     while their choices agree, and stop at the first rank whose work already makes them
     inadmissible (they could not be picked); the reversed pass is skipped where the counts
     read the same both ways (it would be the first pass's ranks reversed: the same scores,
-    never picked before the first)."""
+    never picked before the first). Where the pick then misses the tile goal, the tile step
+    (:func:`.tile_pick.refine`, when :data:`TILE_STEP`) compares exact tile areas."""
     if not counts or sum(counts) > SEARCH_TOKENS:
         return workload_segments(lens, counts, mask)
-    trace: list[Step] = []
-    first = workload_segments(lens, counts, mask, trace=trace)
-    score = _Scorer(lens, mask)
-    cands = [first, dualchunk()]
-    work, tiles = map(list, zip(*map(score, cands), strict=True))
-    mean = max(work[0].mean(), 1e-30)  # every candidate's: the batch's work over the ranks
-    imb = [w.max() / mean for w in work]
-    bound = min(imb[1] + WORK_SLACK, WORK_BOUND)
-    if imb[0] <= bound and (tiles[0] <= tiles[1] or imb[1] > bound):
-        return first
-    if imb[0] <= bound:  # trade tiles for at most one token's share of work, never more
-        bound = min(bound, imb[0] + WORK_SLACK)
-    # a pass with one rank over the bound is inadmissible; while one of the first two is
-    # admissible, such a pass cannot be picked (else the least imbalanced one is)
-    give_up = (lambda w: w / mean > bound) if min(imb) <= bound else None
-    runs = [(t, False) for t in TOLERANCES[1:]] + [(TOLERANCE, True)] * (counts != counts[::-1])
-    for tol, rev in runs:
-        if rev:  # the last ranks absorb earlier misses: another set of boundaries
-            c = workload_segments(lens, counts[::-1], mask, tol, give_up=give_up)
-            c = None if c is None else c[::-1]
-        else:
-            c = workload_segments(lens, counts, mask, tol, replay=trace, give_up=give_up)
-        if c is not None:
-            w, tl = score(c)
-            cands.append(c)
-            imb.append(w.max() / mean)
-            tiles.append(tl)
-    ok = [i for i in range(len(cands)) if imb[i] <= bound] or [int(np.argmin(imb))]
-    return cands[min((tiles[i], imb[i], i) for i in ok)[2]]
+    search = Search(lens, counts, mask, dualchunk)
+    chosen = search.choose()
+    return refine(search, chosen) if TILE_STEP else search.cands[chosen]

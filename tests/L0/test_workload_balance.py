@@ -208,11 +208,15 @@ def _exhaustive_pick(lens, counts, mask, dual):
      ([25147], 4, dict(causal=True, window_size=(1024, -1))), ([10716, 24963, 21473], 16, dict(causal=True)),
      ([1361, 261, 841, 3056, 342, 44], 16, dict(causal=False)), ([10555, 22548, 60030], 64, dict(causal=True))],
 )  # fmt: skip
-def test_search_shortcuts_pick_what_the_full_search_picks(lens, cp, mask):
+def test_search_shortcuts_pick_what_the_full_search_picks(lens, cp, mask, monkeypatch):
     """The search reuses probes across passes, stops passes that cannot win and skips the
     reversed pass on symmetric counts: none of that may change the pick (batches where the
-    extra passes run, some with symmetric counts)."""
+    extra passes run, some with symmetric counts). The exact tile step after it is off here
+    (tests/L0/test_tile_pick.py)."""
+    from megatron_cp_ext import balance_pick
     from megatron_cp_ext.balance_pick import pick
+
+    monkeypatch.setattr(balance_pick, "TILE_STEP", False)
     from megatron_cp_ext.sharding import _dualchunk, rank_counts
 
     lens = np.asarray(lens, dtype=np.int64)

@@ -1,0 +1,139 @@
+"""Exact per-rank flash tile area of candidate shardings, and the tile step of the balance search.
+
+The ``p2p`` kernels of a rank visit the 128x128 tiles of its calls' entries: its queries
+against its own block and against the rows each peer sends it (see
+:func:`.schedules.p2p_plan.build_plan`). A call's tiles start at its pieces' first rows and
+adjacent fully visible blocks are fused, so the area depends on every piece's length and on
+which blocks the planner fuses, not on the unit a piece belongs to alone. :func:`rank_tiles`
+runs the planner's own entry builder (:func:`.plan.calls._entries`) on every rank of every
+candidate at once, so the count is the one :func:`.inspect.inspect_plan` reports, at a few
+milliseconds per candidate batch instead of a plan per rank.
+
+:func:`refine` is the last step of :func:`.balance_pick.pick`: where the picked sharding
+misses the tile goal (efficiency >= :data:`GOAL`, or >= :data:`GOAL_OF_ONE` of the batch
+unsharded), it runs the search's other passes (and, where dual-chunk's own work is out of
+:data:`.balance_pick.WORK_BOUND`, passes with looser tolerances) and keeps the admissible one
+whose largest rank's tile area — the step's critical path — is smallest, ties by total area.
+The pick itself stays a candidate, so no rank's critical path can grow.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .geometry import tile_area
+from .masks import MaskSpec
+from .plan.calls import Layout, _entries, _pieces, visible_rows
+
+if TYPE_CHECKING:
+    from .balance_pick import Search
+
+__all__ = ["rank_tiles", "refine", "GOAL", "GOAL_OF_ONE", "LOOSE", "MAX_RANKS", "REACH"]
+
+GOAL = 0.90
+"""Tile efficiency (useful score entries over visited tile area) the goal asks for."""
+GOAL_OF_ONE = 0.95
+"""Or this share of the batch's efficiency unsharded (short documents bound both)."""
+LOOSE = (25.0,)
+"""Tolerances (in units of the default) of the extra passes where dual-chunk's work is out of
+bounds, so only the 3 % goal binds."""
+REACH = 1.10
+"""Batches whose tile area is above the goal's by more than this are left alone: the passes
+move cuts by a few tiles (they lower the area by at most 12 % on the balance families), and
+most such batches are small ranks whose row tiles alone miss the goal."""
+MAX_RANKS = 32
+"""The step runs up to this CP size: each extra pass at cp 64 on ranks of 1K-4K tokens costs
+about as much as the whole pick (35-40 ms of host time per pass, up to three passes), for a
+largest-rank tile area 2-8 % smaller on the balance families."""
+ESTIMATE_HIGH = 1.4
+"""How far above the exact area the per-unit estimate (:func:`.balance_pick.tile_estimate`)
+may lie (at most 1.33 on the balance families): above that, the exact count is skipped."""
+
+Segs = list[np.ndarray]
+
+
+def rank_tiles(cands: list[Segs], mask: MaskSpec) -> np.ndarray:
+    """``[len(cands), cp]`` exact tile area (per head) each rank's ``p2p`` calls visit.
+
+    Every (candidate, rank) is one viewer ``g``: its sequences are renamed ``seq * G + g``
+    so that the planner's joins only pair a viewer's queries with its own buffers, and its
+    buffers are numbered ``g * cp + step`` (0: the own block; step s: the rows rank
+    ``r - s`` sends, exactly the rows its queries see, packed in row order)."""
+    n = len(cands[0])
+    segs = [s for c in cands for s in c]
+    count = np.array([len(s) for s in segs], np.int64)
+    views = len(segs)
+    seg = np.concatenate(segs) if segs else np.zeros((0, 3), np.int64)
+    owner = np.repeat(np.arange(views, dtype=np.int64), count)  # viewer g = candidate * cp + rank
+    seq, start, end = seg[:, 0], seg[:, 1], seg[:, 2]
+    size = end - start
+    row = np.cumsum(size) - size  # every block at its own rows of one global row space
+    row_end = row + size
+    queries = Layout(seq * views + owner, start, end, row, np.zeros(len(seq), np.int64))
+    # each viewer against the other ranks' segments of the sequences it holds, renamed to it
+    key = owner // n * (int(seq.max(initial=0)) + 1) + seq  # (candidate, sequence)
+    order = np.argsort(key, kind="stable")
+    head = np.ones(len(key), bool)
+    head[1:] = key[order][1:] != key[order][:-1]
+    first = np.nonzero(head)[0]
+    size_g = np.diff(np.append(first, len(key)))
+    grp = np.cumsum(head) - 1
+    reps = size_g[grp]  # every segment pairs with every segment of its group
+    mine = np.repeat(order, reps)
+    i = order[np.repeat(first[grp], reps) + np.arange(len(mine)) - np.repeat(np.cumsum(reps) - reps, reps)]
+    other = owner[i] != owner[mine]
+    pair = np.unique(owner[mine][other] * len(seq) + i[other])  # one per (viewer, other's segment)
+    v, i = pair // max(len(seq), 1), pair % max(len(seq), 1)
+    peers = Layout(seq[i] * views + v, start[i], end[i], row[i], (v - owner[i]) % n)
+    qg = Layout(queries.seq, start, end, row, owner)
+    g, step, lo, hi = visible_rows(qg, peers, mask)
+    # the received rows, cut back into the owner's segments (see p2p_plan._recv_layout)
+    i0 = np.searchsorted(row_end, lo, "right")
+    c = np.maximum(np.searchsorted(row, hi, "left") - i0, 0)
+    r = np.repeat(np.arange(len(lo)), c)
+    j = np.repeat(i0, c) + np.arange(len(r)) - np.repeat(np.cumsum(c) - c, c)
+    a_row, b_row = np.maximum(lo[r], row[j]), np.minimum(hi[r], row_end[j])
+    a = start[j] + (a_row - row[j])
+    got = b_row - a_row
+    recv_row = int(row_end[-1]) if len(row_end) else 0
+    keys = Layout(
+        np.concatenate([queries.seq, seq[j] * views + g[r]]), np.concatenate([start, a]),
+        np.concatenate([end, a + got]), np.concatenate([row, recv_row + np.cumsum(got) - got]),
+        np.concatenate([owner * n, g[r] * n + step[r]]),
+    )  # fmt: skip
+    buf, q0, q1, k0, k1, left, right = _entries(_pieces(queries, mask.chunk), _pieces(keys, mask.chunk), mask)
+    area = tile_area(q1 - q0, k1 - k0, left, right)
+    return np.bincount(buf // n, weights=area, minlength=views).astype(np.int64).reshape(len(cands), n)
+
+
+def refine(search: Search, chosen: int) -> Segs:
+    """The picked candidate, or, where it misses the tile goal by at most :data:`REACH`, the
+    admissible candidate with the smallest largest-rank tile area (then total area, work,
+    order)."""
+    useful = float(search.work[0].sum())
+    need = max(useful / GOAL, search.unsharded_area() / GOAL_OF_ONE)  # largest total area meeting the goal
+    if chosen == 1 or len(search.counts) > MAX_RANKS or search.tiles[chosen] > REACH * ESTIMATE_HIGH * need:
+        return search.cands[chosen]  # dual-chunk's pieces (every document on every rank) stay
+    area = rank_tiles([search.cands[chosen]], search.mask)[0]
+    if not need < area.sum() <= REACH * need:
+        return search.cands[chosen]
+    imb = search.imb
+    if imb[1] <= search.bound_max or len(search.lens) == 1:  # dual-chunk's rules and the slack hold
+        bound = min(imb[1] + search.slack, search.bound_max)
+        if imb[0] <= bound:
+            bound = min(bound, imb[0] + search.slack)
+        passes = search.passes()
+    else:  # only the 3 % goal binds
+        bound, passes = search.bound_max, search.passes(LOOSE)
+    for tol, rev in passes:
+        search.run(tol, rev, bound)
+    ok = [k for k in range(2, len(search.cands)) if k != chosen and imb[k] <= bound]
+    if not ok:
+        return search.cands[chosen]
+    areas = rank_tiles([search.cands[k] for k in ok], search.mask)
+    best = (int(area.max()), int(area.sum()), imb[chosen], -1, chosen)
+    for k, a in zip(ok, areas, strict=True):
+        best = min(best, (int(a.max()), int(a.sum()), imb[k], k, k))
+    return search.cands[best[-1]]
