@@ -23,7 +23,7 @@ Tiles are estimated per unit (document, or chunk under chunked attention) from i
 row tiles: a unit cut into pieces of lengths ``l_i`` occupies ``sum(ceil(l_i / 128))`` row
 (and key) tiles instead of ``ceil(n / 128)``, and its tile area grows with their square.
 Where the pick then misses the tile goal by a little, the tile step
-(:func:`.tile_pick.refine`) counts exact per-rank tile areas and may trade the estimate's
+(:func:`refine`) counts exact per-rank tile areas and may trade the estimate's
 pick for one with a shorter largest rank (:mod:`.tile_pick`).
 """
 
@@ -35,7 +35,7 @@ import numpy as np
 
 from .geometry import TILE, bounds, chunk_units, tile_area, work_prefix
 from .masks import MaskSpec
-from .tile_pick import refine
+from .tile_pick import ESTIMATE_HIGH, GOAL, GOAL_OF_ONE, LOOSE, MAX_RANKS, REACH, rank_tiles
 from .workload import TOLERANCE, Step, workload_segments
 
 __all__ = ["pick", "rank_work", "tile_estimate", "Search", "SEARCH_TOKENS", "TILE_STEP"]
@@ -131,7 +131,7 @@ def tile_estimate(lens: np.ndarray, per_rank: Segs, mask: MaskSpec) -> float:
 
 class Search:
     """The candidates of one batch: segments, exact work, estimated tiles, and the passes run
-    (shared by :func:`pick` and the tile step, :func:`.tile_pick.refine`)."""
+    (shared by :func:`pick` and the tile step, :func:`refine`)."""
 
     slack = WORK_SLACK
     bound_max = WORK_BOUND
@@ -215,9 +215,40 @@ def pick(lens: np.ndarray, counts: list[int], mask: MaskSpec, dualchunk: Callabl
     inadmissible (they could not be picked); the reversed pass is skipped where the counts
     read the same both ways (it would be the first pass's ranks reversed: the same scores,
     never picked before the first). Where the pick then misses the tile goal, the tile step
-    (:func:`.tile_pick.refine`, when :data:`TILE_STEP`) compares exact tile areas."""
+    (:func:`refine`, when :data:`TILE_STEP`) compares exact tile areas."""
     if not counts or sum(counts) > SEARCH_TOKENS:
         return workload_segments(lens, counts, mask)
     search = Search(lens, counts, mask, dualchunk)
     chosen = search.choose()
     return refine(search, chosen) if TILE_STEP else search.cands[chosen]
+
+
+def refine(search: Search, chosen: int) -> Segs:
+    """The picked candidate, or, where it misses the tile goal by at most :data:`REACH`, the
+    admissible candidate with the smallest largest-rank tile area (then total area, work,
+    order)."""
+    useful = float(search.work[0].sum())
+    need = max(useful / GOAL, search.unsharded_area() / GOAL_OF_ONE)  # largest total area meeting the goal
+    if chosen == 1 or len(search.counts) > MAX_RANKS or search.tiles[chosen] > REACH * ESTIMATE_HIGH * need:
+        return search.cands[chosen]  # dual-chunk's pieces (every document on every rank) stay
+    area = rank_tiles([search.cands[chosen]], search.mask)[0]
+    if not need < area.sum() <= REACH * need:
+        return search.cands[chosen]
+    imb = search.imb
+    if imb[1] <= search.bound_max or len(search.lens) == 1:  # dual-chunk's rules and the slack hold
+        bound = min(imb[1] + search.slack, search.bound_max)
+        if imb[0] <= bound:
+            bound = min(bound, imb[0] + search.slack)
+        passes = search.passes()
+    else:  # only the 3 % goal binds
+        bound, passes = search.bound_max, search.passes(LOOSE)
+    for tol, rev in passes:
+        search.run(tol, rev, bound)
+    ok = [k for k in range(2, len(search.cands)) if k != chosen and imb[k] <= bound]
+    if not ok:
+        return search.cands[chosen]
+    areas = rank_tiles([search.cands[k] for k in ok], search.mask)
+    best = (int(area.max()), int(area.sum()), imb[chosen], -1, chosen)
+    for k, a in zip(ok, areas, strict=True):
+        best = min(best, (int(a.max()), int(a.sum()), imb[k], k, k))
+    return search.cands[best[-1]]

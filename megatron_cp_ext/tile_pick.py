@@ -1,4 +1,4 @@
-"""Exact per-rank flash tile area of candidate shardings, and the tile step of the balance search.
+"""Exact per-rank flash tile area of candidate shardings, for the tile step of the balance search.
 
 The ``p2p`` kernels of a rank visit the 128x128 tiles of its calls' entries: its queries
 against its own block and against the rows each peer sends it (see
@@ -9,8 +9,8 @@ runs the planner's own entry builder (:func:`.plan.calls._entries`) on every ran
 candidate at once, so the count is the one :func:`.inspect.inspect_plan` reports, at a few
 milliseconds per candidate batch instead of a plan per rank.
 
-:func:`refine` is the last step of :func:`.balance_pick.pick`: where the picked sharding
-misses the tile goal (efficiency >= :data:`GOAL`, or >= :data:`GOAL_OF_ONE` of the batch
+:func:`.balance_pick.refine`, the last step of :func:`.balance_pick.pick`, uses it: where
+the picked sharding misses the tile goal (efficiency >= :data:`GOAL`, or >= :data:`GOAL_OF_ONE` of the batch
 unsharded), it runs the search's other passes (and, where dual-chunk's own work is out of
 :data:`.balance_pick.WORK_BOUND`, passes with looser tolerances) and keeps the admissible one
 whose largest rank's tile area — the step's critical path — is smallest, ties by total area.
@@ -19,18 +19,13 @@ The pick itself stays a candidate, so no rank's critical path can grow.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from .geometry import tile_area
 from .masks import MaskSpec
 from .plan.calls import Layout, _entries, _pieces, visible_rows
 
-if TYPE_CHECKING:
-    from .balance_pick import Search
-
-__all__ = ["rank_tiles", "refine", "GOAL", "GOAL_OF_ONE", "LOOSE", "MAX_RANKS", "REACH"]
+__all__ = ["rank_tiles", "GOAL", "GOAL_OF_ONE", "LOOSE", "MAX_RANKS", "REACH"]
 
 GOAL = 0.90
 """Tile efficiency (useful score entries over visited tile area) the goal asks for."""
@@ -106,34 +101,3 @@ def rank_tiles(cands: list[Segs], mask: MaskSpec) -> np.ndarray:
     buf, q0, q1, k0, k1, left, right = _entries(_pieces(queries, mask.chunk), _pieces(keys, mask.chunk), mask)
     area = tile_area(q1 - q0, k1 - k0, left, right)
     return np.bincount(buf // n, weights=area, minlength=views).astype(np.int64).reshape(len(cands), n)
-
-
-def refine(search: Search, chosen: int) -> Segs:
-    """The picked candidate, or, where it misses the tile goal by at most :data:`REACH`, the
-    admissible candidate with the smallest largest-rank tile area (then total area, work,
-    order)."""
-    useful = float(search.work[0].sum())
-    need = max(useful / GOAL, search.unsharded_area() / GOAL_OF_ONE)  # largest total area meeting the goal
-    if chosen == 1 or len(search.counts) > MAX_RANKS or search.tiles[chosen] > REACH * ESTIMATE_HIGH * need:
-        return search.cands[chosen]  # dual-chunk's pieces (every document on every rank) stay
-    area = rank_tiles([search.cands[chosen]], search.mask)[0]
-    if not need < area.sum() <= REACH * need:
-        return search.cands[chosen]
-    imb = search.imb
-    if imb[1] <= search.bound_max or len(search.lens) == 1:  # dual-chunk's rules and the slack hold
-        bound = min(imb[1] + search.slack, search.bound_max)
-        if imb[0] <= bound:
-            bound = min(bound, imb[0] + search.slack)
-        passes = search.passes()
-    else:  # only the 3 % goal binds
-        bound, passes = search.bound_max, search.passes(LOOSE)
-    for tol, rev in passes:
-        search.run(tol, rev, bound)
-    ok = [k for k in range(2, len(search.cands)) if k != chosen and imb[k] <= bound]
-    if not ok:
-        return search.cands[chosen]
-    areas = rank_tiles([search.cands[k] for k in ok], search.mask)
-    best = (int(area.max()), int(area.sum()), imb[chosen], -1, chosen)
-    for k, a in zip(ok, areas, strict=True):
-        best = min(best, (int(a.max()), int(a.sum()), imb[k], k, k))
-    return search.cands[best[-1]]

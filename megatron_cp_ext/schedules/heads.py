@@ -61,7 +61,7 @@ def _pack_heads(x: torch.Tensor, parts: tuple[Range, ...], room: int = 0) -> tup
     strided = _regular(parts, x.shape[1])
     if strided is not None:  # every member's range at the same offset of equal blocks: one copy
         flat[: sum(sizes)].view(len(parts), t, strided.stop - strided.start, *x.shape[2:]).copy_(
-            x.view(t, len(parts), -1, *x.shape[2:])[:, :, strided].transpose(0, 1)
+            x.view(t, len(parts), x.shape[1] // len(parts), *x.shape[2:])[:, :, strided].transpose(0, 1)
         )
         return flat, sizes
     off = 0
@@ -192,7 +192,7 @@ def heads_into(y: list[torch.Tensor], parts: tuple[Range, ...], counts: list[int
     width = int(torch.Size(d).numel())
     if group is None:
         a, b = parts[me]
-        out[:, a:b].copy_(y_flat.view(-1, b - a, *d))
+        out[:, a:b].copy_(y_flat.view(t, b - a, *d))
         return
     sizes = [t * (b - a) * width for a, b in parts]
     per_row = y_flat.numel() // max(sum(counts), 1)
@@ -201,7 +201,7 @@ def heads_into(y: list[torch.Tensor], parts: tuple[Range, ...], counts: list[int
     strided = _regular(parts, out.shape[1])
     if strided is not None:
         view = flat.view(len(parts), t, strided.stop - strided.start, *d).transpose(0, 1)
-        out.view(t, len(parts), -1, *d)[:, :, strided].copy_(view)
+        out.view(t, len(parts), out.shape[1] // len(parts), *d)[:, :, strided].copy_(view)
         return
     for g, (a, b) in zip(flat.split(sizes), parts):
         out[:, a:b].copy_(g.view(t, b - a, *d))
