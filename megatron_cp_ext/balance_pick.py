@@ -11,7 +11,9 @@ these candidates exactly in work and approximately in tiles:
 * the workload stream with its default tolerance, with a tighter and a looser one, and with
   the ranks served in reverse order (the last ranks absorb earlier misses: another set of
   boundaries);
-* the dual-chunk split (``balance="dualchunk"``).
+* the dual-chunk split (``balance="dualchunk"``); under a full mask the contiguous split,
+  whose per-rank work is the same there with one piece per document instead of two (below,
+  "the dual-chunk split" means whichever of the two the mask takes).
 
 and keeps the candidate with the fewest estimated tiles among the admissible ones: work max/mean within
 :data:`WORK_BOUND`, not above the dual-chunk split's by more than :data:`WORK_SLACK`, nor (where

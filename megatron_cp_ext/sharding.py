@@ -297,6 +297,25 @@ def _dualchunk(lens: np.ndarray, cp: int, m: int) -> list[np.ndarray]:
     return [np.concatenate([_take(cuts, r), _take(cuts, 2 * cp - 1 - r)]) for r in range(cp)]
 
 
+def _contiguous(lens: np.ndarray, cp: int, m: int) -> list[np.ndarray]:
+    """Per rank segments: slice r of every sequence, the shares of :func:`_shares`."""
+    cuts = _cut_table(_shares(lens, cp, m))
+    return [_take(cuts, r) for r in range(cp)]
+
+
+def _even_work(lens: np.ndarray, cp: int, m: int, mask: MaskSpec) -> list[np.ndarray]:
+    """The split whose per-rank work is even by construction, ``workload``'s reference.
+
+    Dual-chunk in general. Under a full mask (no causality, window or chunks) a token's work
+    is its document's length wherever it sits, so the contiguous split, with the very same
+    shares and therefore the same work per rank, does it with one piece per document instead
+    of two: half the ragged tiles, and a rank's rows of a step stay one slice even where a
+    short document leaves some ranks without tokens of it (dual-chunk's fronts-then-backs
+    layout then needs gathered rows)."""
+    full = not mask.causal and mask.left < 0 and mask.right < 0 and mask.chunk is None
+    return _contiguous(lens, cp, m) if full else _dualchunk(lens, cp, m)
+
+
 def shard_sequences(
     cu_seqlens: torch.Tensor | Sequence[int],
     cp_size: int,
@@ -342,12 +361,10 @@ def shard_sequences(
         from .balance_pick import pick
 
         counts = rank_counts(cu[-1], cp_size, token_multiple)
-        per_rank = pick(lens, counts, mask, lambda: _dualchunk(lens, cp_size, token_multiple))
+        per_rank = pick(lens, counts, mask, lambda: _even_work(lens, cp_size, token_multiple, mask))
         return CPSharding._of(cu, per_rank, balance, token_multiple)
     if balance == "dualchunk":
         per_rank = _dualchunk(lens, cp_size, token_multiple)
     else:
-        shares = _shares(lens, cp_size, token_multiple)
-        cuts = _cut_table(shares)
-        per_rank = [_take(cuts, r) for r in range(cp_size)]
+        per_rank = _contiguous(lens, cp_size, token_multiple)
     return CPSharding._of(cu, per_rank, balance, token_multiple)

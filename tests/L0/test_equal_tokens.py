@@ -147,3 +147,19 @@ def test_workload_work_on_one_long_document():
         for cp in (2, 8, 32):
             w = _rank_work(mcx.shard_sequences(cu_seqlens(lens), cp, **mask), per_query)
             assert w.max() / w.mean() <= 1.003
+
+
+def test_workload_full_mask_short_documents_gather_nothing():
+    """Under a full mask a short document (fewer tokens than 2 cp) leaves dual-chunk pieces
+    empty on some ranks and breaks a step's rows into runs; ``workload``'s reference split
+    there is the contiguous one (the same work per rank): no gathered rows, tiles as full."""
+    cu = cu_seqlens([5, 100, 300, 120, 7])
+    shapes = dict(num_heads=2, num_kv_heads=2, head_dim=16)
+    rep = {
+        b: mcx.inspect_plan(mcx.shard_sequences(cu, 8, b, causal=False), "p2p", causal=False, **shapes)
+        for b in ("workload", "dualchunk")
+    }
+    gathered = {b: max(r.gathered_rows for r in x.ranks.values()) for b, x in rep.items()}
+    assert gathered["dualchunk"] > 0 and gathered["workload"] == 0, gathered
+    assert rep["workload"].work_imbalance <= rep["dualchunk"].work_imbalance + 1e-12
+    assert rep["workload"].tile_efficiency >= rep["dualchunk"].tile_efficiency
