@@ -318,7 +318,19 @@ def _levels(q0: np.ndarray, q1: np.ndarray, head: np.ndarray) -> np.ndarray:
     return interval_levels(q0, q1, np.cumsum(head) - 1)  # general case: interval partitioning
 
 
+def one_row_causal(buf: np.ndarray, q0: np.ndarray, q1: np.ndarray, left: np.ndarray, right: np.ndarray) -> np.ndarray:
+    """``right``, one-row full entries made causal where their buffer has causal and no other full
+    ones: one row sees every key either way, and their own call would split the causal rows."""
+    full = (left < 0) & (right < 0)
+    one = full & (q1 - q0 == 1)
+    if not one.any():
+        return right
+    move = one & np.isin(buf, buf[(left < 0) & (right == 0)]) & ~np.isin(buf, buf[full & ~one])
+    return np.where(move, 0, right)
+
+
 def _calls(buf, q0, q1, k0, k1, left, right) -> dict[int, list[VarlenCall]]:
+    right = one_row_causal(buf, q0, q1, left, right)
     order = np.lexsort((k0, q0, right, left, buf))
     buf, q0, q1, k0, k1, left, right = (x[order] for x in (buf, q0, q1, k0, k1, left, right))
     level = _levels(q0, q1, _groups(buf, left, right))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..geometry import BIG, TILE, tile_area
-from ..plan.calls import MAX_SLICE_CALLS
+from ..plan.calls import MAX_SLICE_CALLS, one_row_causal
 from ..plan.levels import interval_levels
 from .chains import expand
 
@@ -48,6 +48,7 @@ def price_entries(buf, size, per_rank: int, q0, sq, k0, sk, left, right, fixed=N
     p = slice(nf, None) if fixed is None else nf + np.nonzero(~fixed[band])[0]
     band_area = tile_area(q1[p] - q0[p], k1[p] - k0[p], left[p], right[p]).astype(np.float64)
     area += np.bincount(buf[p], weights=band_area, minlength=size)
+    right = one_row_causal(buf, q0, q1, left, right)  # as the plans group them (area unchanged)
     keys = [buf // per_rank, buf, left, right, q0, q1, k0, k1]
     if fixed is None:
         return area, _runs(keys, buf, size, None)[0]

@@ -139,6 +139,18 @@ def test_dense_masks_need_no_gathers_and_one_call_per_step():
             assert max(steps.values()) <= 2, steps
 
 
+def test_length_one_documents_join_the_causal_call():
+    """A length-1 document's entry is fully visible and causal at once: it joins the causal call
+    of its step instead of making a call of its own that splits that call's rows into runs."""
+    lens = [300, 1, 57, 1, 1, 500, 1, 200, 1, 2000, 1, 90]
+    for mask_kw in (dict(causal=True), dict(causal=True, chunk_size=256)):
+        sh = mcx.shard_sequences(mcx.batches.cu_seqlens(lens), 4, **mask_kw)
+        rep = mcx.inspect_plan(sh, "p2p", **mask_kw, num_heads=2, num_kv_heads=2, head_dim=16)
+        assert [r.gathered_rows for r in rep.ranks.values()] == [0] * 4
+        own = [sum(c.step == 0 for c in r.calls) for r in rep.ranks.values()]
+        assert max(own) <= 2, own
+
+
 def test_plan_is_cached_on_sharding_and_uploaded_once():
     sh = mcx.shard_sequences([0, 9, 20], 1)
     q = torch.randn(20, 2, 4)
