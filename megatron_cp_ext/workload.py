@@ -134,6 +134,7 @@ class _Stream:
         # positions that are tile multiples (``p % TILE == phase``); see .workload_mirror
         self.par = params if params is not None else [(n, lo, up) for n in self.ulen]
         self.phase = phase if phase is not None else [0] * len(self.ulen)
+        self.mirrored = phase is not None  # units in halves: ``2u`` and ``2u + 1`` (.workload_mirror)
         self.probes: Probes | None = None  # the last take's
         self.decision: tuple = ()  # the last take's choice: (x, f, cut entry)
         units = np.nonzero(ulen > 0)[0]
@@ -250,6 +251,8 @@ class _Stream:
         ph = phase[k]
         w_a = _work(n, a, lo, up)
         cap = ftok[fents.index(e)] if e in fents else ftok[-1]  # light tokens before e
+        if self.mirrored:  # nor from the other half of e's unit (its third piece on the rank)
+            cap = min([cap] + [ftok[i] for i, g in enumerate(fents) if g[1] == k ^ 1])
         best = None
         q0 = (pos - ph) // TILE * TILE + ph
         first = -(-(a + 1 - ph) // TILE) * TILE + ph  # the first tile multiple inside the entry
