@@ -8,10 +8,14 @@ so a rank's work is a sum over the ranges it holds, in closed form (:func:`.geom
 
 The balance is a dual-chunk split of one **stream**: the mask's independent units (documents,
 or their chunks under chunked attention) laid end to end, sorted by density (work per token,
-lightest first). Inside a unit density never falls with position under causal, windowed,
-chunked or unmasked attention, so the stream's front is its lightest material and its back
-its densest. Rank after rank takes exactly its token count as ``x`` tokens off the front plus
-``t - x`` off the back; more front means less work, so ``x`` is found by bisection to land on
+lightest first). Inside a unit density never falls with position under causal, causal
+windowed, chunked or unmasked attention, so the stream's front is its lightest material and
+its back its densest. Under a non-causal finite left window it falls near a unit's end (a
+bidirectional sliding window is ∩-shaped, low near both ends): each unit then enters the
+stream as two halves split on its plateau, the second traversed in mirrored position order,
+both rising (:mod:`.workload_mirror`); their pieces map back to contiguous ranges at the end.
+Rank after rank takes exactly its token count as ``x`` tokens off the front plus ``t - x``
+off the back; more front means less work, so ``x`` is found by bisection to land on
 the rank's work target (what is left divided in proportion to the tokens left).
 
 * Units stay whole except where a rank boundary falls: at most two cuts per rank, so short
@@ -38,6 +42,7 @@ import numpy as np
 
 from .geometry import BIG, TILE, bounds, work_prefix
 from .masks import MaskSpec
+from .workload_mirror import halves, mirror_split, unmirror
 from .workload_order import local_order, merge_adjacent
 
 __all__ = ["workload_segments", "unit_table", "Step", "Probes", "TOLERANCE"]
@@ -122,8 +127,14 @@ def unit_table(lens: np.ndarray, chunk: int | None) -> tuple[np.ndarray, np.ndar
 class _Stream:
     """The sorted stream: entries (pieces of units) lightest first; ranks take from both ends."""
 
-    def __init__(self, ulen: np.ndarray, uwork: np.ndarray, lo: int, up: int, tolerance: float) -> None:
-        self.ulen, self.lo, self.up, self.tolerance = ulen.tolist(), lo, up, tolerance
+    def __init__(self, ulen: np.ndarray, uwork: np.ndarray, lo: int, up: int, tolerance: float,
+                 params: list[tuple[int, int, int]] | None = None, phase: list[int] | None = None) -> None:  # fmt: skip
+        self.ulen, self.tolerance = ulen.tolist(), tolerance
+        # per unit: (n, lo, up) of its work prefix ``_work(n, x, lo, up)`` and the traversal
+        # positions that are tile multiples (``p % TILE == phase``); see .workload_mirror
+        self.par = params if params is not None else [(n, lo, up) for n in self.ulen]
+        self.phase = phase if phase is not None else [0] * len(self.ulen)
+        self.mirrored = phase is not None  # units in halves: ``2u`` and ``2u + 1`` (.workload_mirror)
         self.probes: Probes | None = None  # the last take's
         self.decision: tuple = ()  # the last take's choice: (x, f, cut entry)
         units = np.nonzero(ulen > 0)[0]
@@ -133,8 +144,8 @@ class _Stream:
                                           ulen[units][order].tolist(), strict=True))  # fmt: skip
 
     def work(self, k: int, x: int, y: int) -> int:
-        n = self.ulen[k]
-        return _work(n, y, self.lo, self.up) - _work(n, x, self.lo, self.up) if y > x else 0
+        n, lo, up = self.par[k]
+        return _work(n, y, lo, up) - _work(n, x, lo, up) if y > x else 0
 
     def entry(self, k: int, a: int, b: int) -> Entry:
         return (self.work(k, a, b) / (b - a), k, a, b)
@@ -164,7 +175,7 @@ class _Stream:
         front, back, memo = reuse.front, reuse.back, reuse.cost
         fents, ftok, fwk = front
         bents, btok, bwk = back
-        ulen, lo, up, tol = self.ulen, self.lo, self.up, self.tolerance
+        par, tol = self.par, self.tolerance
 
         def at_front(x: int) -> tuple[int, int, int | None]:
             """``(work, entry, cut)`` of ``x`` tokens off the front; ``cut`` is the position
@@ -173,7 +184,7 @@ class _Stream:
             if x == ftok[j]:
                 return fwk[j], j, None
             _, k, a, _ = fents[j]
-            pos, n = a + x - ftok[j], ulen[k]
+            pos, (n, lo, up) = a + x - ftok[j], par[k]
             return fwk[j] + _work(n, pos, lo, up) - _work(n, a, lo, up), j, pos
 
         def at_back(y: int) -> tuple[int, int, int | None]:
@@ -181,7 +192,7 @@ class _Stream:
             if y == btok[j]:
                 return bwk[j], j, None
             _, k, _, b = bents[j]
-            pos, n = b - (y - btok[j]), ulen[k]
+            pos, (n, lo, up) = b - (y - btok[j]), par[k]
             return bwk[j] + _work(n, b, lo, up) - _work(n, pos, lo, up), j, pos
 
         def cost(x: int) -> tuple[int, int]:
@@ -206,7 +217,8 @@ class _Stream:
             if pos is None:
                 continue
             _, k, a, b = ents[j]
-            for q in (a, b, pos // TILE * TILE, -(-pos // TILE) * TILE):  # entry ends, tile multiples
+            ph = self.phase[k]
+            for q in (a, b, (pos - ph) // TILE * TILE + ph, -(-(pos - ph) // TILE) * TILE + ph):  # ends, tiles
                 q = min(max(q, a), b)
                 x = tok[j] + (b - q if is_back else q - a)
                 cands.add(t - x if is_back else x)
@@ -234,13 +246,16 @@ class _Stream:
             return None
         e = ents[j]
         _, k, a, b = e
-        ulen, lo, up, tol = self.ulen, self.lo, self.up, self.tolerance
-        n = ulen[k]
+        ulen, par, phase, tol = self.ulen, self.par, self.phase, self.tolerance
+        n, lo, up = par[k]
+        ph = phase[k]
         w_a = _work(n, a, lo, up)
         cap = ftok[fents.index(e)] if e in fents else ftok[-1]  # light tokens before e
+        if self.mirrored:  # nor from the other half of e's unit (its third piece on the rank)
+            cap = min([cap] + [ftok[i] for i, g in enumerate(fents) if g[1] == k ^ 1])
         best = None
-        q0 = pos // TILE * TILE
-        first = -(-(a + 1) // TILE) * TILE  # the first tile multiple inside the entry
+        q0 = (pos - ph) // TILE * TILE + ph
+        first = -(-(a + 1 - ph) // TILE) * TILE + ph  # the first tile multiple inside the entry
         for q in sorted(range(q0 - SPAN * TILE, q0 + (SPAN + 1) * TILE, TILE), key=lambda q: abs(q - pos)):
             if not a < q <= b:
                 continue
@@ -263,9 +278,9 @@ class _Stream:
                         wf, ugly = fwk[jf], 0
                         if x != ftok[jf]:  # cut inside front entry jf (see _ugly)
                             _, kf, af, _ = fents[jf]
-                            pf, nf = af + x - ftok[jf], ulen[kf]
-                            wf += _work(nf, pf, lo, up) - _work(nf, af, lo, up)
-                            if pf % TILE and pf != nf:
+                            pf, (nf, lf, uf) = af + x - ftok[jf], par[kf]
+                            wf += _work(nf, pf, lf, uf) - _work(nf, af, lf, uf)
+                            if (pf - phase[kf]) % TILE and pf != ulen[kf]:
                                 ugly = 2 if nf > LONG * TILE else 1
                         got = wf + fixed + (_work(n, a + f, lo, up) - w_a if f else 0), ugly, x
                     seen[i] = got
@@ -293,9 +308,12 @@ class _Stream:
         """What a cut costs in flash tiles: 0 between entries, at a unit's end or at a tile
         multiple of its unit; 2 inside a long unit (all its pieces' blocks get a ragged edge);
         1 inside a short one."""
-        if pos is None or pos % TILE == 0 or pos == self.ulen[ents[j][1]]:
+        if pos is None:
             return 0
-        return 2 if self.ulen[ents[j][1]] > LONG * TILE else 1
+        k = ents[j][1]
+        if (pos - self.phase[k]) % TILE == 0 or pos == self.ulen[k]:
+            return 0
+        return 2 if self.par[k][0] > LONG * TILE else 1
 
     def _commit(self, front, back, x: int, y: int, cut: Entry | None, f: int) -> list[tuple[int, int, int]]:
         """Remove ``x`` tokens off the front and ``y`` off the back, and ``f`` off the front of
@@ -347,9 +365,14 @@ def workload_segments(
     already knows the pass cannot win)."""
     lo, up = bounds(mask)
     useq, ustart, ulen = unit_table(lens, mask.chunk)
-    uwork = work_prefix(ulen, ulen, lo, up)
-    stream = _Stream(ulen, uwork, lo, up, tolerance)
-    left_t, left_w = int(ulen.sum()), int(uwork.sum())
+    split = mirror_split(ulen, lo, up)
+    if split is None:  # density never falls inside a unit: the units are the stream's
+        vlen, vwork = ulen, work_prefix(ulen, ulen, lo, up)
+        stream = _Stream(vlen, vwork, lo, up, tolerance)
+    else:  # a non-causal finite window: each unit as two rising halves
+        vlen, vwork, params, phase = halves(ulen, split, lo, up)
+        stream = _Stream(vlen, vwork, lo, up, tolerance, params, phase)
+    left_t, left_w = int(vlen.sum()), int(vwork.sum())
     per_rank: list[list[tuple[int, int, int]]] = []
     shared = replay is not None and len(replay) == len(counts)
     for r, t in enumerate(counts):
@@ -367,6 +390,8 @@ def workload_segments(
             return None
         left_t -= t
         left_w -= work
+    if split is not None:
+        per_rank = unmirror(per_rank, ulen)
     cut = {k for ps in per_rank for k, a, b in ps if a > 0 or b < ulen[k]}
     tagged = [[(k, int(k in cut), int(useq[k]), int(ustart[k]) + a, int(ustart[k]) + b) for k, a, b in ps]
               for ps in per_rank]  # fmt: skip

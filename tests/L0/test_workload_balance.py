@@ -225,3 +225,26 @@ def test_search_shortcuts_pick_what_the_full_search_picks(lens, cp, mask, monkey
     want = _exhaustive_pick(lens, counts, spec, _dualchunk(lens, cp, 1))
     got = pick(lens, counts, spec, lambda: _dualchunk(lens, cp, 1))
     assert len(got) == len(want) and all(np.array_equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+@pytest.mark.parametrize("window", [(5, 9), (40, 40), (3, -1), (70, 2), (-1, 6), (300, 300)], ids=str)
+def test_mirror_halves_rise_in_their_own_order(window):
+    """Under a non-causal window each unit's halves (the second read in mirrored order) have
+    non-decreasing visible keys per query, counted from the mask's definition, and their
+    closed-form work matches that count."""
+    from megatron_cp_ext.geometry import bounds
+    from megatron_cp_ext.workload import _work
+    from megatron_cp_ext.workload_mirror import halves, mirror_split
+
+    mask = MaskSpec.make(causal=False, window_size=window)
+    lens = np.array([1, 2, 7, 64, 129, 300])
+    lo, up = bounds(mask)
+    m = mirror_split(lens, lo, up)
+    if m is None:  # nothing falls: every unit rises as it is
+        m = lens
+    vlen, vwork, params, _ = halves(lens, m, lo, up)
+    for u, n in enumerate(lens.tolist()):
+        keys = np.array([sum(mask.visible(q, k) for k in range(n)) for q in range(n)], dtype=np.int64)
+        for v, order in ((2 * u, keys[: m[u]]), (2 * u + 1, keys[m[u] :][::-1])):
+            assert len(order) == vlen[v] and (np.diff(order) >= 0).all(), (n, v, order)
+            assert vwork[v] == order.sum() == _work(params[v][0], len(order), *params[v][1:])
