@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from .geometry import TILE, work_prefix
+from .workload_order import merge_adjacent
 
 __all__ = ["mirror_split", "halves", "unmirror"]
 
@@ -64,11 +65,5 @@ def unmirror(per_rank: list[list[tuple[int, int, int]]], ulen: np.ndarray) -> li
     for ps in per_rank:
         units = sorted((v // 2, a, b) if v % 2 == 0 else (v // 2, int(ulen[v // 2]) - b, int(ulen[v // 2]) - a)
                        for v, a, b in ps)  # fmt: skip
-        joined: list[list[int]] = []
-        for u, a, b in units:
-            if joined and joined[-1][0] == u and joined[-1][2] == a:
-                joined[-1][2] = b
-            else:
-                joined.append([u, a, b])
-        out.append([(u, a, b) for u, a, b in joined])
+        out.append([(int(u), int(a), int(b)) for u, a, b in merge_adjacent(units)])
     return out
