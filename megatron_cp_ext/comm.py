@@ -73,10 +73,14 @@ class Peers:
         self._direct: dict[str, bool] = {}
         """Per device type: whether sends and receives go straight to the process group."""
 
-    def post(self, sends: list[Message | tuple], recvs: list[Message | tuple]) -> Batch:
+    def post(
+        self, sends: list[Message | tuple], recvs: list[Message | tuple], device: torch.device | None = None
+    ) -> Batch | TracedBatch:
         """Start ``sends`` and ``recvs`` (:class:`Message`, or a ``(peer, tensor)`` /
         ``(peer, tensor, tag)`` tuple read as one); returns the batch, which holds every tensor
-        the backend was given until :meth:`wait` (:mod:`.inflight`)."""
+        the backend was given until :meth:`wait` (:mod:`.inflight`). ``device``: where the
+        tensors live, needed while dynamo traces (:class:`TracedBatch`), where a member with
+        nothing to move still joins the batch."""
         # a tagged (contiguous) Message is posted as it is: no per-message call on the hot path
         sends = [
             m if m.__class__ is Message and m.tag is not None and m.tensor.is_contiguous() else self._message(m, True)
@@ -86,7 +90,7 @@ class Peers:
         recvs = [m if m.__class__ is Message and m.tag is not None else self._message(m, False) for m in recvs]
         recvs = [m for m in recvs if m.tensor.numel()]
         if torch.compiler.is_compiling():
-            return _traced(self.group, sends, recvs)
+            return _traced(self.group, sends, recvs, device)
         out, into = [m.tensor for m in sends], [m.tensor for m in recvs]
         if not out and not into:
             return Batch([], [])
@@ -169,26 +173,43 @@ class TracedBatch:
         got = funcol.wait_tensor(self.got)
         off = 0
         for m in self.recvs:  # ordered by peer, then posting order: as the senders packed them
-            n = m.tensor.numel() * m.tensor.element_size()
+            n = _nbytes(m)
             m.tensor.copy_(got[off : off + n].view(m.tensor.dtype).view(m.tensor.shape))
-            off += n
+            off += n + _pad(n)
         self.recvs = []
 
 
-def _traced(group: dist.ProcessGroup, sends: list[Message], recvs: list[Message]) -> TracedBatch:
+_ALIGN = 16
+"""Each message starts at a multiple of this many bytes in a traced batch, so its bytes can be
+viewed as any dtype (a 16-bit message of odd size followed by an fp32 one would not be)."""
+
+
+def _nbytes(m: Message) -> int:
+    return m.tensor.numel() * m.tensor.element_size()
+
+
+def _pad(n: int) -> int:
+    return -n % _ALIGN
+
+
+def _traced(group: dist.ProcessGroup, sends: list[Message], recvs: list[Message], device) -> TracedBatch:
     """One batch as a functional all-to-all of bytes (:class:`TracedBatch`); sizes from the
-    plan (Python ints), so the traced graph reads no device value."""
+    plan (Python ints), so the traced graph reads no device value. ``device``: where the
+    schedule's tensors live (a member with nothing to move still joins with an empty buffer
+    there)."""
     size = dist.get_world_size(group)
     sends = sorted(sends, key=lambda m: m.peer)  # stable: posting order kept per peer
     recvs = sorted(recvs, key=lambda m: m.peer)
-    nbytes = lambda m: m.tensor.numel() * m.tensor.element_size()  # noqa: E731
     split_in, split_out = [0] * size, [0] * size
-    for m in sends:
-        split_in[m.peer] += nbytes(m)
     for m in recvs:
-        split_out[m.peer] += nbytes(m)
-    device = (sends or recvs)[0].tensor.device if sends or recvs else torch.device("cpu")
-    flat = [m.tensor.reshape(-1).view(torch.uint8) for m in sends]
+        split_out[m.peer] += _nbytes(m) + _pad(_nbytes(m))
+    flat = []
+    for m in sends:
+        n = _nbytes(m)
+        split_in[m.peer] += n + _pad(n)
+        flat.append(m.tensor.reshape(-1).view(torch.uint8))
+        if _pad(n):
+            flat.append(torch.zeros(_pad(n), dtype=torch.uint8, device=device))
     data = torch.cat(flat) if flat else torch.empty(0, dtype=torch.uint8, device=device)
     got = funcol.all_to_all_single(data, split_out, split_in, group)
     return TracedBatch(got, recvs)

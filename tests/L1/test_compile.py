@@ -118,3 +118,39 @@ def test_prepared_call_fullgraph():
     for res in run_on_ranks(2, _fullgraph_worker, timeout=300):
         assert all(f for f, _ in res.values()), res
         assert all(err == 0.0 for _, err in res.values()), res
+
+
+def _traced_batch_worker(rank, world):
+    """``comm._traced`` run eagerly (functional collectives also run outside dynamo): mixed
+    dtypes and odd byte counts, several messages per peer, and a member with nothing to send."""
+    from megatron_cp_ext.comm import Message, Peers, _traced
+
+    def payload(src, dst, i, dtype, n):
+        return (torch.arange(n, dtype=torch.float64) + 1000 * src + 100 * dst + 10 * i).to(dtype)
+
+    kinds = [(torch.bfloat16, 3), (torch.float32, 5), (torch.float64, 1), (torch.bfloat16, 7)]
+    silent = world - 1  # sends nothing, still receives
+    sends, recvs = [], []
+    for peer in range(world):
+        if peer == rank:
+            continue
+        if rank != silent:
+            sends += [Message(peer, payload(rank, peer, i, dt, n)) for i, (dt, n) in enumerate(kinds)]
+        if peer != silent:
+            recvs += [Message(peer, torch.empty(n, dtype=dt)) for dt, n in kinds]
+    batch = _traced(dist.group.WORLD, sends, recvs, torch.device("cpu"))
+    Peers.wait(batch)
+    got = {}
+    for m in recvs:
+        got.setdefault(m.peer, []).append(m.tensor)
+    return all(
+        torch.equal(t, payload(peer, rank, i, dt, n))
+        for peer, ts in got.items()
+        for i, (t, (dt, n)) in enumerate(zip(ts, kinds, strict=True))
+    ) and len(got) == world - 1 - (rank != silent)
+
+
+def test_traced_batch_moves_mixed_messages():
+    """The ring's batch as dynamo traces it (one all-to-all of bytes, each message aligned)
+    delivers every message to its buffer: 16-bit messages of odd length before 32/64-bit ones."""
+    assert all(run_on_ranks(2, _traced_batch_worker, timeout=120))
