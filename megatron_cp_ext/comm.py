@@ -173,23 +173,15 @@ class TracedBatch:
         got = funcol.wait_tensor(self.got)
         off = 0
         for m in self.recvs:  # ordered by peer, then posting order: as the senders packed them
-            n = _nbytes(m)
+            n = m.tensor.numel() * m.tensor.element_size()
             m.tensor.copy_(got[off : off + n].view(m.tensor.dtype).view(m.tensor.shape))
-            off += n + _pad(n)
+            off += n + -n % _ALIGN
         self.recvs = []
 
 
 _ALIGN = 16
 """Each message starts at a multiple of this many bytes in a traced batch, so its bytes can be
 viewed as any dtype (a 16-bit message of odd size followed by an fp32 one would not be)."""
-
-
-def _nbytes(m: Message) -> int:
-    return m.tensor.numel() * m.tensor.element_size()
-
-
-def _pad(n: int) -> int:
-    return -n % _ALIGN
 
 
 def _traced(group: dist.ProcessGroup, sends: list[Message], recvs: list[Message], device) -> TracedBatch:
@@ -202,14 +194,15 @@ def _traced(group: dist.ProcessGroup, sends: list[Message], recvs: list[Message]
     recvs = sorted(recvs, key=lambda m: m.peer)
     split_in, split_out = [0] * size, [0] * size
     for m in recvs:
-        split_out[m.peer] += _nbytes(m) + _pad(_nbytes(m))
+        n = m.tensor.numel() * m.tensor.element_size()
+        split_out[m.peer] += n + -n % _ALIGN
     flat = []
     for m in sends:
-        n = _nbytes(m)
-        split_in[m.peer] += n + _pad(n)
+        n = m.tensor.numel() * m.tensor.element_size()
+        split_in[m.peer] += n + -n % _ALIGN
         flat.append(m.tensor.reshape(-1).view(torch.uint8))
-        if _pad(n):
-            flat.append(torch.zeros(_pad(n), dtype=torch.uint8, device=device))
+        if n % _ALIGN:
+            flat.append(torch.zeros(-n % _ALIGN, dtype=torch.uint8, device=device))
     data = torch.cat(flat) if flat else torch.empty(0, dtype=torch.uint8, device=device)
     got = funcol.all_to_all_single(data, split_out, split_in, group)
     return TracedBatch(got, recvs)
