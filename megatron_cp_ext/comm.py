@@ -18,16 +18,7 @@ import torch.distributed._functional_collectives as funcol
 
 from . import inflight
 
-__all__ = [
-    "Message",
-    "Peers",
-    "Batch",
-    "TracedBatch",
-    "all_gather_padded",
-    "reduce_scatter_padded",
-    "exchange_ints",
-    "global_ranks",
-]
+__all__ = ["Message", "Peers", "Batch", "all_gather_padded", "reduce_scatter_padded", "exchange_ints", "global_ranks"]
 
 _GLOBAL_RANKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 """Per process group (weakly held, like :mod:`.groups`' cache)."""
@@ -73,14 +64,10 @@ class Peers:
         self._direct: dict[str, bool] = {}
         """Per device type: whether sends and receives go straight to the process group."""
 
-    def post(
-        self, sends: list[Message | tuple], recvs: list[Message | tuple], device: torch.device | None = None
-    ) -> Batch | TracedBatch:
+    def post(self, sends: list[Message | tuple], recvs: list[Message | tuple]) -> Batch:
         """Start ``sends`` and ``recvs`` (:class:`Message`, or a ``(peer, tensor)`` /
         ``(peer, tensor, tag)`` tuple read as one); returns the batch, which holds every tensor
-        the backend was given until :meth:`wait` (:mod:`.inflight`). ``device``: where the
-        tensors live, needed while dynamo traces (:class:`TracedBatch`), where a member with
-        nothing to move still joins the batch."""
+        the backend was given until :meth:`wait` (:mod:`.inflight`)."""
         # a tagged (contiguous) Message is posted as it is: no per-message call on the hot path
         sends = [
             m if m.__class__ is Message and m.tag is not None and m.tensor.is_contiguous() else self._message(m, True)
@@ -89,8 +76,6 @@ class Peers:
         ]
         recvs = [m if m.__class__ is Message and m.tag is not None else self._message(m, False) for m in recvs]
         recvs = [m for m in recvs if m.tensor.numel()]
-        if torch.compiler.is_compiling():
-            return _traced(self.group, sends, recvs, device)
         out, into = [m.tensor for m in sends], [m.tensor for m in recvs]
         if not out and not into:
             return Batch([], [])
@@ -123,9 +108,6 @@ class Peers:
     def wait(batch: list) -> None:
         """Complete a batch; only then are its tensors released (the current stream now waits
         for the transfers, so their blocks can be reused safely)."""
-        if isinstance(batch, TracedBatch):
-            batch.land()
-            return
         for work in batch:
             work.wait()
         ticket = getattr(batch, "ticket", None)
@@ -155,57 +137,6 @@ class Batch(list):
         self.tensors = tensors
         self.ticket: int | None = None
         """The batch's id in an installed :class:`.inflight.Ledger`."""
-
-
-class TracedBatch:
-    """A :meth:`Peers.post` batch as dynamo traces it: one functional all-to-all of every
-    message's bytes (point-to-point ops have no traceable form; an all-to-all whose splits are
-    zero but for the batch's peers moves the same bytes between the same pairs). Every member
-    of the group posts the same batches in the same order (the schedules walk the same step
-    numbers), so every member joins each all-to-all; ``land`` copies the received bytes into
-    the receive buffers."""
-
-    def __init__(self, got: torch.Tensor, recvs: list[Message]) -> None:
-        self.got = got
-        self.recvs = recvs
-
-    def land(self) -> None:
-        got = funcol.wait_tensor(self.got)
-        off = 0
-        for m in self.recvs:  # ordered by peer, then posting order: as the senders packed them
-            n = m.tensor.numel() * m.tensor.element_size()
-            m.tensor.copy_(got[off : off + n].view(m.tensor.dtype).view(m.tensor.shape))
-            off += n + -n % _ALIGN
-        self.recvs = []
-
-
-_ALIGN = 16
-"""Each message starts at a multiple of this many bytes in a traced batch, so its bytes can be
-viewed as any dtype (a 16-bit message of odd size followed by an fp32 one would not be)."""
-
-
-def _traced(group: dist.ProcessGroup, sends: list[Message], recvs: list[Message], device) -> TracedBatch:
-    """One batch as a functional all-to-all of bytes (:class:`TracedBatch`); sizes from the
-    plan (Python ints), so the traced graph reads no device value. ``device``: where the
-    schedule's tensors live (a member with nothing to move still joins with an empty buffer
-    there)."""
-    size = dist.get_world_size(group)
-    sends = sorted(sends, key=lambda m: m.peer)  # stable: posting order kept per peer
-    recvs = sorted(recvs, key=lambda m: m.peer)
-    split_in, split_out = [0] * size, [0] * size
-    for m in recvs:
-        n = m.tensor.numel() * m.tensor.element_size()
-        split_out[m.peer] += n + -n % _ALIGN
-    flat = []
-    for m in sends:
-        n = m.tensor.numel() * m.tensor.element_size()
-        split_in[m.peer] += n + -n % _ALIGN
-        flat.append(m.tensor.reshape(-1).view(torch.uint8))
-        if n % _ALIGN:
-            flat.append(torch.zeros(-n % _ALIGN, dtype=torch.uint8, device=device))
-    data = torch.cat(flat) if flat else torch.empty(0, dtype=torch.uint8, device=device)
-    got = funcol.all_to_all_single(data, split_out, split_in, group)
-    return TracedBatch(got, recvs)
 
 
 def all_gather_padded(x: torch.Tensor, pad_rows: int, group: dist.ProcessGroup) -> torch.Tensor:

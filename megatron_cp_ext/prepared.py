@@ -8,10 +8,9 @@ plan's already-uploaded device tensors, so dynamo traces it whole. Its results e
 :func:`cp_attention`'s: the same schedules run on the same plan.
 
 What dynamo cannot trace stays out of the traced call by construction: the numpy planner,
-validation and the agreement exchange (all at planning time). Every comm type traces whole:
-while dynamo traces, the ``p2p`` ring's batches (``isend``/``irecv``, which have no traceable
-form) are posted as functional all-to-alls that move the same bytes between the same pairs
-(:class:`.comm.TracedBatch`; ``docs/compile.md``).
+validation and the agreement exchange (all at planning time), and the ``p2p`` ring's batched
+``isend``/``irecv``, which has no traceable form (``p2p`` and ``a2a+p2p`` at CP > 1 therefore
+run their ring behind a graph break even here; ``docs/compile.md``).
 """
 
 from __future__ import annotations
@@ -35,7 +34,7 @@ __all__ = ["PreparedCPAttention", "plan_cp_attention"]
 class PreparedCPAttention:
     """One micro-batch's validated, agreed and planned ``cp_attention`` call (reused by every
     layer with the same arguments). ``prepared(q, k, v)`` runs it; traceable whole by dynamo
-    for every comm type (``fullgraph``)."""
+    where the comm type's collectives are (``fullgraph``: see :attr:`fullgraph`)."""
 
     def __init__(self, c: att._Call, plan: object) -> None:
         self.comm_type = c.comm_type
@@ -52,9 +51,10 @@ class PreparedCPAttention:
 
     @property
     def fullgraph(self) -> bool:
-        """Whether a call traces without a graph break: always, for every comm type and CP size
-        (kept for callers that asked before the ring traced)."""
-        return True
+        """Whether a call traces without a graph break: no ``p2p`` ring with a peer (CP 1, ``all_gather``,
+        ``a2a``); ``p2p`` and ``a2a+p2p`` at CP > 1 keep one break around their ring."""
+        ring = self.plan.ring if self._a2a else self.plan
+        return not isinstance(ring, P2PPlan) or len(ring.counts) == 1
 
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_offset: torch.Tensor | None = None
@@ -70,7 +70,7 @@ class PreparedCPAttention:
                 f"q {tuple(q.shape)} / k {tuple(k.shape)} do not match the planned call "
                 f"({self.tokens} tokens, {self.hq} query and {self.hkv} KV heads)"
             )
-        out = _attend(self, q, k, v, softmax_offset)
+        out = (_attend if self.fullgraph else _attend_eager)(self, q, k, v, softmax_offset)
         if self.seq_dims is not None:
             out = thd_to_seq(out, self.fmt, self.seq_dims, self.cp_size)
         return out
@@ -82,6 +82,11 @@ def _attend(p: PreparedCPAttention, q, k, v, offset) -> torch.Tensor:
         g = p._groups
         return a2a.attention(q, k, v, p._run, g.a2a, g.p2p, p._heads, offset)
     return att._CPAttention.apply(q, k, v, offset, p._run, p._schedule)
+
+
+_attend_eager = torch.compiler.disable(
+    _attend, reason="the p2p ring's batched isend/irecv (P2POp) has no traceable form"
+)
 
 
 def plan_cp_attention(

@@ -176,9 +176,7 @@ def _post(peers: Peers | None, own: KV, sl: _Slot | None, home: tuple = ([], [])
     same batch (after the KV messages, on both ends)."""
     buf, sends, recvs = _kv_messages(own, sl)
     sends, recvs = sends + home[0], recvs + home[1]
-    # traced (dynamo), every member joins every batch: it is one collective (comm.TracedBatch)
-    join = sends or recvs or torch.compiler.is_compiling()
-    batch = peers.post(sends, recvs, own.k.device) if peers is not None and join else []
+    batch = peers.post(sends, recvs) if peers is not None and (sends or recvs) else []
     return batch, buf
 
 

@@ -17,9 +17,9 @@ from megatron_cp_ext.testing.inproc import run_threads
 def test_p2p_without_tags_matches_reference(monkeypatch, world, balance, seqlens):
     post = comm.Peers.post
 
-    def untagged(self, sends, recvs, *rest):
+    def untagged(self, sends, recvs):
         self.tag = 0
-        return post(self, [m._replace(tag=None) for m in sends], [m._replace(tag=None) for m in recvs], *rest)
+        return post(self, [m._replace(tag=None) for m in sends], [m._replace(tag=None) for m in recvs])
 
     monkeypatch.setattr(comm.Peers, "post", untagged)
     case = AttnCase(seqlens=seqlens, comm_type="p2p", hq=4, hkv=2, seed=world, balance=balance)
