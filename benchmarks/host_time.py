@@ -75,9 +75,9 @@ def auto_table(args) -> None:
         print(f"| {cp} | {tokens} | {cell(est)} | {cell(full)} | {f'{same}/{n}' if n else '-'} |")
 
 
-def _host_worker(rank: int, world: int, iters: int) -> float:
+def _host_worker(rank: int, world: int, iters: int, balance: str) -> float:
     cu = [0, 204, 306, 382, 433, 458, 484, 512]
-    sharding = mcx.shard_sequences(cu, world, balance="dualchunk")
+    sharding = mcx.shard_sequences(cu, world, balance=balance)
     t = sharding.num_tokens(rank)
     g = torch.Generator().manual_seed(rank)
     q, dout = (torch.randn(t, 2, 8, generator=g) for _ in range(2))
@@ -95,11 +95,27 @@ def _host_worker(rank: int, world: int, iters: int) -> float:
     return statistics.median(times) * 1e3
 
 
+HOST_BALANCES = ("dualchunk", "workload")
+"""Balances of the per-layer table, measured in alternating rounds (the host's load drifts)."""
+
+
 def host_table(args) -> None:
+    ms: dict[str, list[float]] = {b: [] for b in HOST_BALANCES}
+    calls: dict[str, int] = {}
     with flash_stub():
-        per_rank = run_threads(8, _host_worker, args.iters)
-    print("\nhost CPU ms per layer (p2p, cp 8, 512 tokens, fwd + bwd, plan cached, stub kernels)")
-    print(f"| median rank | worst rank |\n|---|---|\n| {statistics.median(per_rank):.2f} | {max(per_rank):.2f} |")
+        for _ in range(args.rounds):
+            for b in HOST_BALANCES:
+                per_rank = run_threads(8, _host_worker, args.iters, b)
+                ms[b].append(statistics.median(per_rank))
+    for b in HOST_BALANCES:
+        sh = mcx.shard_sequences([0, 204, 306, 382, 433, 458, 484, 512], 8, balance=b)
+        calls[b] = max(len(r.calls) for r in mcx.inspect_plan(sh, "p2p").ranks.values())
+    print("\nhost CPU ms per layer (p2p, cp 8, 512 tokens, fwd + bwd, plan cached, stub kernels;")
+    print(f"median rank, {args.rounds} alternating rounds)")
+    print("| balance | per round | best | forward calls (largest rank) |\n|---|---|---|---|")
+    for b in HOST_BALANCES:
+        rounds = " / ".join(f"{x:.2f}" for x in ms[b])
+        print(f"| {b} | {rounds} | {min(ms[b]):.2f} | {calls[b]} |")
 
 
 def main() -> None:
@@ -110,9 +126,12 @@ def main() -> None:
     p.add_argument("--full", action="store_true", help="also time the full model (before)")
     p.add_argument("--full-max", type=int, default=1 << 17, help="largest batch the full model is timed on")
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=3, help="host table: alternating rounds per balance")
     p.add_argument("--skip-host", action="store_true")
+    p.add_argument("--skip-auto", action="store_true")
     args = p.parse_args()
-    auto_table(args)
+    if not args.skip_auto:
+        auto_table(args)
     if not args.skip_host:
         host_table(args)
 
