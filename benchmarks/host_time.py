@@ -75,9 +75,12 @@ def auto_table(args) -> None:
         print(f"| {cp} | {tokens} | {cell(est)} | {cell(full)} | {f'{same}/{n}' if n else '-'} |")
 
 
+HOST_CU = [0, 204, 306, 382, 433, 458, 484, 512]
+"""The per-layer table's batch: 512 tokens in seven documents."""
+
+
 def _host_worker(rank: int, world: int, iters: int, balance: str) -> float:
-    cu = [0, 204, 306, 382, 433, 458, 484, 512]
-    sharding = mcx.shard_sequences(cu, world, balance=balance)
+    sharding = mcx.shard_sequences(HOST_CU, world, balance=balance)
     t = sharding.num_tokens(rank)
     g = torch.Generator().manual_seed(rank)
     q, dout = (torch.randn(t, 2, 8, generator=g) for _ in range(2))
@@ -108,7 +111,7 @@ def host_table(args) -> None:
                 per_rank = run_threads(8, _host_worker, args.iters, b)
                 ms[b].append(statistics.median(per_rank))
     for b in HOST_BALANCES:
-        sh = mcx.shard_sequences([0, 204, 306, 382, 433, 458, 484, 512], 8, balance=b)
+        sh = mcx.shard_sequences(HOST_CU, 8, balance=b)
         calls[b] = max(len(r.calls) for r in mcx.inspect_plan(sh, "p2p").ranks.values())
     print("\nhost CPU ms per layer (p2p, cp 8, 512 tokens, fwd + bwd, plan cached, stub kernels;")
     print(f"median rank, {args.rounds} alternating rounds)")

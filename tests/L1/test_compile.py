@@ -96,19 +96,23 @@ def _fullgraph_worker(rank, world):
         cases[comm] = (mcx.plan_cp_attention(*qkv, **kws[comm]), qkv)
     full = [c for c in cases if cases[c][0].fullgraph]
     compiled = torch.compile(_call_all, backend="aot_eager", fullgraph=True)
-    runs = {"eager": [mcx.cp_attention(*cases[c][1], **kws[c]) for c in cases]}
-    runs["prepared"] = compiled([cases[c] for c in full]) + _call_all([cases["p2p"]])  # p2p: one graph break
+    eager = [mcx.cp_attention(*cases[c][1], **kws[c]) for c in cases]
+    prepared = compiled([cases[c] for c in full]) + _call_all([cases["p2p"]])  # p2p: one graph break
+    return _compare(cases, (list(cases), eager), ([*full, "p2p"], prepared))
+
+
+def _compare(cases, eager, prepared):
+    """Per case: (fullgraph?, max |prepared - eager| over out and q/k/v gradients); ``eager``
+    and ``prepared`` are ``(case order, outputs)``, one backward each (a compiled graph has one)."""
     got = {}
-    for name, outs in runs.items():  # one backward per run (the compiled graph has one)
-        order = list(cases) if name == "eager" else [*full, "p2p"]
+    for name, (order, outs) in (("eager", eager), ("prepared", prepared)):
         inputs = [x for c in order for x in cases[c][1]]
         grads = torch.autograd.grad(sum(o.square().sum() for o in outs), inputs)
         got[name] = {c: (outs[i].detach(), *grads[3 * i : 3 * i + 3]) for i, c in enumerate(order)}
-    res = {}
-    for comm, (prepared, _) in cases.items():
-        pairs = zip(got["eager"][comm], got["prepared"][comm])
-        res[comm] = (prepared.fullgraph, max(float((a - b).abs().max()) for a, b in pairs))
-    return res
+    return {
+        c: (p.fullgraph, max(float((a - b).abs().max()) for a, b in zip(got["eager"][c], got["prepared"][c])))
+        for c, (p, _) in cases.items()
+    }
 
 
 def _ring_cp4_worker(rank, world):
@@ -127,17 +131,8 @@ def _ring_cp4_worker(rank, world):
         qkv = tuple(t.requires_grad_() for t in sharding.shard(x_all, rank).clone().unbind(1))
         cases[comm] = (mcx.plan_cp_attention(*qkv, **kws[comm]), qkv)
     compiled = torch.compile(_call_all, backend="aot_eager")
-    outs = {"eager": [mcx.cp_attention(*cases[c][1], **kws[c]) for c in cases]}
-    outs["prepared"] = compiled(list(cases.values()))
-    got = {}
-    for name, o in outs.items():
-        inputs = [x for c in cases for x in cases[c][1]]
-        grads = torch.autograd.grad(sum(t.square().sum() for t in o), inputs)
-        got[name] = {c: (o[i].detach(), *grads[3 * i : 3 * i + 3]) for i, c in enumerate(cases)}
-    return {
-        c: (p.fullgraph, max(float((a - b).abs().max()) for a, b in zip(got["eager"][c], got["prepared"][c])))
-        for c, (p, _) in cases.items()
-    }
+    eager = [mcx.cp_attention(*cases[c][1], **kws[c]) for c in cases]
+    return _compare(cases, (list(cases), eager), (list(cases), compiled(list(cases.values()))))
 
 
 def test_prepared_ring_cp4_default_mode():
