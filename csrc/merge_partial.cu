@@ -1,10 +1,12 @@
 // merge_partial: fold one partial attention result into the fp32 accumulators, in place:
+//   w       = sigmoid(part_lse - lse)            (= exp(part_lse - new_lse))
+//   out     = lerp(out, part_out, w)
 //   new_lse = logaddexp(lse, part_lse)
-//   out     = out * exp(lse - new_lse) + part_out * exp(part_lse - new_lse)
-// Rows where both sides are -inf (no visible key yet) keep out = 0 and lse = -inf.
+// Rows where both sides are -inf (no visible key yet) get w = 0: out and lse stay.
 //
-// The arithmetic mirrors the torch fallback op for op (same logaddexp formula, no fused
-// multiply-add), so on a GPU the two agree to the last bit up to libm differences.
+// The arithmetic mirrors the torch fallback (ops.merge_partial_torch: sub, sigmoid_,
+// nan_to_num_, lerp_, logaddexp) op for op, with PyTorch's own CUDA formulas for sigmoid,
+// lerp and logaddexp, so the two agree to the last bit (tests/gpu/test_ops_compile.py).
 // One warp owns one (row, head): it reads the old lse, updates the head_dim values with
 // 16-byte accesses when head_dim and the pointers allow, then lane 0 writes the new lse.
 
@@ -28,6 +30,21 @@ __device__ __forceinline__ float logaddexp(float a, float b) {
   if (isinf(a) && a == b) return a;
   const float m = fmaxf(a, b);
   return m + log1pf(expf(-fabsf(a - b)));
+}
+
+// torch.sigmoid on CUDA (1 / (1 + exp(-x)) in fp32) of the rounded difference, then
+// nan_to_num's NaN -> 0 (both sides -inf: nothing visible yet, keep the accumulator).
+__device__ __forceinline__ float sigmoid_weight(float a, float b) {
+  const float x = __fsub_rn(b, a);
+  const float w = __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-x)));
+  return isnan(w) ? 0.0f : w;
+}
+
+// torch.lerp on CUDA (ATen's Lerp.h): two formulas split at |w| < 0.5, each a fused
+// multiply-add as nvcc contracts them in PyTorch's build.
+__device__ __forceinline__ float lerp(float self, float end, float w) {
+  const float diff = __fsub_rn(end, self);
+  return fabsf(w) < 0.5f ? __fmaf_rn(w, diff, self) : __fmaf_rn(-diff, __fsub_rn(1.0f, w), end);
 }
 
 template <typename Part, int kVec>
@@ -54,10 +71,7 @@ __global__ void merge_partial_kernel(
     const float a = lse[acc_row];
     const float b = part_lse[row];
     const float merged = logaddexp(a, b);
-    // exp(-inf - -inf) is NaN: measure against 0 when nothing is visible on either side.
-    const float ref = (isinf(merged) && merged < 0.f) ? 0.f : merged;
-    const float w_acc = expf(a - ref);
-    const float w_part = expf(b - ref);
+    const float w = sigmoid_weight(a, b);
 
     float* o = out + acc_row * head_dim;
     const Part* p = part_out + row * head_dim;
@@ -66,7 +80,7 @@ __global__ void merge_partial_kernel(
       const Pack<Part, kVec> part = *reinterpret_cast<const Pack<Part, kVec>*>(p + d);
 #pragma unroll
       for (int j = 0; j < kVec; ++j) {
-        acc.v[j] = __fadd_rn(__fmul_rn(acc.v[j], w_acc), __fmul_rn(to_float(part.v[j]), w_part));
+        acc.v[j] = lerp(acc.v[j], to_float(part.v[j]), w);
       }
       *reinterpret_cast<Pack<float, kVec>*>(o + d) = acc;
     }

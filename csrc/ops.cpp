@@ -8,6 +8,7 @@
 #include <Python.h>
 
 #include <optional>
+#include <string>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -22,6 +23,18 @@
 namespace megatron_cp_ext {
 namespace {
 
+// Numbers and shapes in error messages go through std::to_string, never an ostream: on one
+// H100 image, an extension whose messages streamed an int64 (``ss << long``, also what
+// c10's ``operator<<(IntArrayRef)`` does) segfaulted in that stream call when its check
+// failed, inside torch's own process and libstdc++. Strings stream safely there.
+std::string num(int64_t v) { return std::to_string(v); }
+
+std::string dims(at::IntArrayRef s) {
+  std::string out = "[";
+  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
+  return out + "]";
+}
+
 void check_cuda_contiguous(const at::Tensor& t, const at::Tensor& ref, const char* name) {
   TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor, got device ", t.device());
   TORCH_CHECK(
@@ -33,9 +46,9 @@ void check_cuda_contiguous(const at::Tensor& t, const at::Tensor& ref, const cha
 void check_index(const at::Tensor& idx, const at::Tensor& ref, int64_t rows) {
   check_cuda_contiguous(idx, ref, "idx");
   TORCH_CHECK(idx.scalar_type() == at::kLong, "idx must be int64, got ", idx.scalar_type());
-  TORCH_CHECK(idx.dim() == 1, "idx must be 1-D, got ", idx.dim(), " dims");
+  TORCH_CHECK(idx.dim() == 1, "idx must be 1-D, got ", num(idx.dim()), " dims");
   TORCH_CHECK(
-      rows < 0 || idx.size(0) == rows, "idx has ", idx.size(0), " entries, expected ", rows);
+      rows < 0 || idx.size(0) == rows, "idx has ", num(idx.size(0)), " entries, expected ", num(rows));
 }
 
 // Elements in one dim-0 row; defined from the sizes so it also holds for zero rows.
@@ -86,7 +99,7 @@ void index_add_rows_cuda(at::Tensor& acc, const at::Tensor& idx, const at::Tenso
   check_cuda_contiguous(src, acc, "src");
   TORCH_CHECK(
       src.dim() == acc.dim() && src.sizes().slice(1) == acc.sizes().slice(1),
-      "src rows must match acc rows: src ", src.sizes(), ", acc ", acc.sizes());
+      "src rows must match acc rows: src ", dims(src.sizes()), ", acc ", dims(acc.sizes()));
   check_index(idx, acc, src.size(0));
   const bool mixed_ok = acc.scalar_type() == at::kFloat &&
       (src.scalar_type() == at::kHalf || src.scalar_type() == at::kBFloat16);
@@ -117,18 +130,18 @@ void merge_partial_cuda(
   check_cuda_contiguous(lse, out, "lse");
   check_cuda_contiguous(part_out, out, "part_out");
   check_cuda_contiguous(part_lse, out, "part_lse");
-  TORCH_CHECK(out.dim() == 3, "out must be [T, H, D], got ", out.sizes());
-  TORCH_CHECK(part_out.dim() == 3, "part_out must be [N, H, D], got ", part_out.sizes());
+  TORCH_CHECK(out.dim() == 3, "out must be [T, H, D], got ", dims(out.sizes()));
+  TORCH_CHECK(part_out.dim() == 3, "part_out must be [N, H, D], got ", dims(part_out.sizes()));
   const int64_t n = part_out.size(0), h = out.size(1), d = out.size(2);
   TORCH_CHECK(
       part_out.size(1) == h && part_out.size(2) == d,
-      "part_out ", part_out.sizes(), " does not match out ", out.sizes());
+      "part_out ", dims(part_out.sizes()), " does not match out ", dims(out.sizes()));
   TORCH_CHECK(
       lse.sizes() == at::IntArrayRef({out.size(0), h}),
-      "lse must be [T, H] = [", out.size(0), ", ", h, "], got ", lse.sizes());
+      "lse must be [T, H] = [", num(out.size(0)), ", ", num(h), "], got ", dims(lse.sizes()));
   TORCH_CHECK(
       part_lse.sizes() == at::IntArrayRef({n, h}),
-      "part_lse must be [N, H] = [", n, ", ", h, "], got ", part_lse.sizes());
+      "part_lse must be [N, H] = [", num(n), ", ", num(h), "], got ", dims(part_lse.sizes()));
   TORCH_CHECK(
       out.scalar_type() == at::kFloat && lse.scalar_type() == at::kFloat &&
           part_lse.scalar_type() == at::kFloat,
@@ -141,7 +154,7 @@ void merge_partial_cuda(
   if (idx.has_value()) {
     check_index(*idx, out, n);
   } else {
-    TORCH_CHECK(n == out.size(0), "without idx, part_out must cover all ", out.size(0), " rows");
+    TORCH_CHECK(n == out.size(0), "without idx, part_out must cover all ", num(out.size(0)), " rows");
   }
   const c10::cuda::CUDAGuard guard(out.device());
   C10_CUDA_CHECK(launch_merge_partial(

@@ -156,5 +156,6 @@ def reuse_hazards(windows: list[tuple[InFlight, int]], allocs: list[dict]) -> li
             if a["addr"] < b.addr + b.nbytes and b.addr < a["addr"] + a["size"]:
                 across = " across streams" if a["stream"] != b.stream else ""
                 out.append(f"{b.role} buffer of batch {b.batch} ({b.nbytes} B at {b.addr:#x}) reused{across} by an "
-                           f"allocation of {a['size']} B on stream {a['stream']} before its wait")  # fmt: skip
+                           f"allocation of {a['size']} B on stream {a['stream']} before its wait "
+                           f"(posted at {b.posted}, allocated at {s}, waited at {w})")  # fmt: skip
     return out

@@ -25,10 +25,19 @@ import torch.nn.functional as F
 __all__ = ["available", "supports", "attn_fwd", "attn_bwd"]
 
 
+BACKWARD_REACHABLE = False
+"""Whether PyTorch's cuDNN backward can be called on a varlen batch from Python. Not on torch
+2.11 (H100, measured): ``_cudnn_attention_backward`` takes ``attn_bias`` as a required
+``Tensor``; an empty one is taken for a bias and fails (``Dimension out of range``), and only
+C++ autograd can pass the undefined tensor that means "no bias" (``benchmarks/gpu_probe_cudnn.py``).
+The candidate stays off until that changes."""
+
+
 def available() -> bool:
-    """cuDNN is present and PyTorch exposes its varlen attention op."""
+    """cuDNN is present, PyTorch exposes its varlen attention op, and its backward is reachable."""
     return (
-        torch.cuda.is_available()
+        BACKWARD_REACHABLE
+        and torch.cuda.is_available()
         and torch.backends.cudnn.is_available()
         and hasattr(torch.ops.aten, "_cudnn_attention_forward")
     )

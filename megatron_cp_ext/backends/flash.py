@@ -39,28 +39,68 @@ def _pad_v(v: torch.Tensor, d: int) -> torch.Tensor:
     return v if v.shape[-1] == d else F.pad(v, (0, d - v.shape[-1]))
 
 
-def _window(causal: bool, window: tuple[int, int]) -> tuple[int, int]:
-    return (window[0], 0) if causal else window
+def _window(causal: bool, window: tuple[int, int], max_seqlen_k: int, max_seqlen_q: int) -> tuple[int, int, int]:
+    """``(left, right, max_seqlen_k)`` as the FlashAttention-2 kernels must be given them.
+
+    FA2 reads a window against ``max_seqlen_k`` as if every entry had as many queries as
+    keys: a right side ``>= max_seqlen_k`` is dropped as unbounded, and an open right side next
+    to a finite left one (``(L, -1)``, not causal) becomes ``right = max_seqlen_k``. Bottom-right
+    aligned, query ``i`` of an entry with ``sq`` queries and ``sk`` keys stops at key
+    ``i + sk - sq + right``, so both cut or open keys wrongly for the first queries of an entry
+    with more queries than keys (measured on an H100: a ``(0, -1)`` call of 50 queries over 13
+    keys, a window's lower edge on a ring step). The kernel uses ``max_seqlen_k`` only to size
+    its grid over keys and for these two rules, so an upper bound is handed instead: above
+    ``right`` (no drop), and ``max_seqlen_q + max_seqlen_k`` under an open right side (a stop
+    past every key). ``tests/L0/test_flash_args.py`` emulates the rules."""
+    left, right = (window[0], 0) if causal else window
+    if right > 0:
+        max_seqlen_k = max(max_seqlen_k, right + 1)
+    elif left >= 0 and right < 0:
+        max_seqlen_k = max_seqlen_k + max_seqlen_q
+    return left, right, max_seqlen_k
+
+
+def _max_q(max_seqlen_q: int, q: torch.Tensor, k: torch.Tensor, left: int, right: int) -> int:
+    """``max_seqlen_q`` for the kernel: 2 where FA2 would take its one-query GQA shortcut.
+
+    With ``max_seqlen_q == 1``, GQA and no mask, FA2 folds the query heads into the sequence
+    dim assuming every entry holds exactly one query; a plan's call can hold entries with
+    none. An upper bound of 2 keeps the general varlen path (one more row block, no shortcut);
+    the results are the same."""
+    return 2 if max_seqlen_q == 1 and q.shape[1] > k.shape[1] and left < 0 and right < 0 else max_seqlen_q
+
+
+def _lse_nh(lse_HN: torch.Tensor) -> torch.Tensor:
+    """The kernel's ``[H, N]`` lse as the contract's ``[N, H]`` fp32, rows that see no key at -inf.
+
+    FlashAttention-2 (flash-attn's and PyTorch's copy) writes ``+inf`` for a row whose keys are
+    all masked out (a window or a short key entry can leave rows of a call empty); the online
+    merge reads that as infinite weight and would wipe out what the row gathered from other
+    calls. One elementwise pass, no host sync."""
+    inf = float("inf")
+    return lse_HN.float().t().nan_to_num(nan=float("nan"), posinf=-inf, neginf=-inf)
 
 
 def fa_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, scale):
     from flash_attn.flash_attn_interface import flash_attn_varlen_func
 
-    dv, (left, right) = v.shape[-1], _window(causal, window)
+    dv, (left, right, max_seqlen_k) = v.shape[-1], _window(causal, window, max_seqlen_k, max_seqlen_q)
+    max_seqlen_q = _max_q(max_seqlen_q, q, k, left, right)
     out, lse, _ = flash_attn_varlen_func(
         q, k, _pad_v(v, q.shape[-1]), cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         softmax_scale=scale, causal=causal, window_size=(left, right), return_attn_probs=True,
     )  # fmt: skip
-    return out[..., :dv], lse.float().t()
+    return out[..., :dv], _lse_nh(lse)
 
 
 def aten_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, scale):
-    dv, (left, right) = v.shape[-1], _window(causal, window)
+    dv, (left, right, max_seqlen_k) = v.shape[-1], _window(causal, window, max_seqlen_k, max_seqlen_q)
+    max_seqlen_q = _max_q(max_seqlen_q, q, k, left, right)
     out, lse, *_ = torch.ops.aten._flash_attention_forward(
         q, k, _pad_v(v, q.shape[-1]), cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0, causal, False,
         scale=scale, window_size_left=left, window_size_right=right,
     )  # fmt: skip
-    return out[..., :dv], lse.float().t()
+    return out[..., :dv], _lse_nh(lse)
 
 
 def _bwd_inputs(dout, q, v, out, lse):
@@ -72,7 +112,8 @@ def fa_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     from flash_attn.flash_attn_interface import _flash_attn_varlen_backward
 
     vp, outp, doutp, lse_HN = _bwd_inputs(dout, q, v, out, lse)
-    left, right = _window(causal, window)
+    left, right, max_seqlen_k = _window(causal, window, max_seqlen_k, max_seqlen_q)
+    max_seqlen_q = _max_q(max_seqlen_q, q, k, left, right)
     dq, dk, dvp = torch.empty_like(q), torch.empty_like(k), torch.empty_like(vp)
     _flash_attn_varlen_backward(
         doutp, q, k, vp, outp, lse_HN, dq, dk, dvp, cu_seqlens_q, cu_seqlens_k,
@@ -83,7 +124,8 @@ def fa_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 
 def aten_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, scale):
     vp, outp, doutp, lse_HN = _bwd_inputs(dout, q, v, out, lse)
-    left, right = _window(causal, window)
+    left, right, max_seqlen_k = _window(causal, window, max_seqlen_k, max_seqlen_q)
+    max_seqlen_q = _max_q(max_seqlen_q, q, k, left, right)
     rng = torch.zeros(2, dtype=torch.uint64, device=q.device)
     dq, dk, dvp = torch.ops.aten._flash_attention_backward(
         doutp, q, k, vp, outp, lse_HN, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,

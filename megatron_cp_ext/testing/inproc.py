@@ -183,6 +183,18 @@ def _create(prefix_store, rank: int, world_size: int, timeout):
 
 dist.Backend.register_backend(BACKEND, _create, devices=["cpu", "cuda"])
 
+if not hasattr(_mt.ThreadLocalWorld, "comms"):
+    # torch 2.11's ``destroy_process_group`` walks ``_world.comms``, which its threaded world
+    # does not define yet (later releases do): give each thread's world an empty list of them.
+    _COMMS = threading.local()
+
+    def _thread_comms(self) -> list:
+        if not hasattr(_COMMS, "comms"):
+            _COMMS.comms = []
+        return _COMMS.comms
+
+    _mt.ThreadLocalWorld.comms = property(_thread_comms)
+
 
 def _rank_main(rank: int, world: int, store, fn: Callable, args: tuple, device, results: list) -> None:
     try:

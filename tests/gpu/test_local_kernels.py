@@ -78,6 +78,7 @@ def _check(name, kern, kind, a) -> None:
         torch.testing.assert_close(out.float(), ref_out, atol=2e-2, rtol=0)
         seen = torch.isfinite(ref_lse)
         assert torch.equal(torch.isfinite(lse), seen)
+        assert (lse[~seen] == float("-inf")).all(), "rows that see no key must carry lse -inf"
         if seen.any():
             tol = 1e-3 * max(1.0, ref_lse[seen].abs().max().item())
             torch.testing.assert_close(lse[seen], ref_lse[seen], atol=tol, rtol=0)
@@ -93,7 +94,7 @@ def _check(name, kern, kind, a) -> None:
 
 
 @pytest.mark.parametrize("world", [1, 2])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16], ids=str)  # fp16: test_cp_on_gpu.py, every mask at CP 1
 @pytest.mark.parametrize("heads", list(HEADS))
 @pytest.mark.parametrize("mask", list(MASKS))
 def test_candidates_match_reference_call_by_call(monkeypatch, mask, heads, dtype, world):

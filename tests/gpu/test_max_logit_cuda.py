@@ -24,7 +24,7 @@ def dense_max_logit(q, k, cu, scale, **mask) -> torch.Tensor:
 @pytest.mark.parametrize("mask", [dict(causal=True), dict(causal=False, window_size=(300, 40))])
 def test_cp_attention_max_logit_on_cuda(mask):
     torch.manual_seed(0)
-    dev = torch.device("cuda")
+    dev = torch.device("cuda", torch.cuda.current_device())
     lengths = [2500, 1, 700, 97]  # longer than one 1024 tile
     cu = [0]
     for n in lengths:

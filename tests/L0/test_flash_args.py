@@ -1,0 +1,81 @@
+"""The arguments the flash wrappers hand FlashAttention-2, checked on CPU against the mask the
+reference contract means: FA2's own handling of windows (clamp, open side -> ``max_seqlen_k``,
+one-query causal) is emulated here, so every (causal, window, lengths) combination must give the
+contract's bottom-right visibility exactly. The GPU run measured the case this guards
+(``tests/gpu/test_local_kernels.py``, a ``(0, -1)`` call of 50 queries over 13 keys)."""
+
+import itertools
+import random
+
+import torch
+
+from megatron_cp_ext.backends import flash
+
+
+def _contract(sq: int, sk: int, causal: bool, window: tuple[int, int]) -> torch.Tensor:
+    i, j = torch.arange(sq)[:, None], torch.arange(sk)[None]
+    d = j - (i + sk - sq)
+    left, right = window
+    right = 0 if causal else right
+    vis = torch.ones(sq, sk, dtype=torch.bool)
+    if left >= 0:
+        vis &= d >= -left
+    if right >= 0:
+        vis &= d <= right
+    return vis
+
+
+def _fa2(sq: int, sk: int, max_q: int, max_k: int, causal: bool, left: int, right: int) -> torch.Tensor:
+    """FA2's varlen argument handling (mha_varlen_fwd, set_params_fprop) and its mask."""
+    left = -1 if left >= max_k else left
+    right = -1 if right >= max_k else right
+    if max_q == 1:
+        causal = False
+    if causal:
+        right = 0
+    if left < 0 and right >= 0:
+        left = max_k
+    if left >= 0 and right < 0:
+        right = max_k
+    i, j = torch.arange(sq)[:, None], torch.arange(sk)[None]
+    d = j - (i + sk - sq)
+    vis = torch.ones(sq, sk, dtype=torch.bool)
+    if left >= 0:
+        vis &= d >= -left
+    if right >= 0:
+        vis &= d <= right
+    return vis
+
+
+def test_wrapper_arguments_give_the_contract_mask() -> None:
+    rng = random.Random(0)
+    windows = [(-1, -1), (-1, 0), (0, -1), (5, -1), (-1, 3), (4, 2), (0, 0), (70, -1), (-1, 70), (60, 2), (2, 60)]
+    for (sq, sk), causal, window in itertools.product([(50, 13), (13, 50), (1, 7), (7, 1), (30, 30)], [True, False],
+                                                      windows):  # fmt: skip
+        if causal and window[1] not in (-1, 0):
+            continue
+        max_q, max_k = sq + rng.randrange(3), sk + rng.randrange(3)  # plans pass upper bounds
+        left, right, max_k2 = flash._window(causal, window, max_k, max_q)
+        got = _fa2(sq, sk, max_q, max_k2, causal, left, right)
+        assert torch.equal(got, _contract(sq, sk, causal, window)), (sq, sk, causal, window)
+
+
+def test_open_right_side_is_the_only_widened_case() -> None:
+    assert flash._window(False, (0, -1), 13, 50) == (0, -1, 63)
+    assert flash._window(False, (-1, 3), 13, 50) == (-1, 3, 13)
+    assert flash._window(True, (8, -1), 13, 50) == (8, 0, 13)
+    assert flash._window(False, (-1, -1), 13, 50) == (-1, -1, 13)
+
+
+def test_one_query_gqa_shortcut_is_avoided() -> None:
+    q, k = torch.empty(3, 8, 64), torch.empty(9, 2, 64)
+    assert flash._max_q(1, q, k, -1, -1) == 2
+    assert flash._max_q(1, q, k, -1, 0) == 1  # causal: FA2 keeps the general path
+    assert flash._max_q(1, q, q, -1, -1) == 1  # no GQA
+    assert flash._max_q(5, q, k, -1, -1) == 5
+
+
+def test_rows_that_see_nothing_get_minus_inf() -> None:
+    inf = float("inf")
+    lse_HN = torch.tensor([[inf, 1.0, -inf], [2.0, inf, 3.0]])
+    assert torch.equal(flash._lse_nh(lse_HN), torch.tensor([[-inf, 2.0], [1.0, -inf], [-inf, 3.0]]))
