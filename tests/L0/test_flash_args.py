@@ -12,17 +12,20 @@ import torch
 from megatron_cp_ext.backends import flash
 
 
-def _contract(sq: int, sk: int, causal: bool, window: tuple[int, int]) -> torch.Tensor:
+def _band(sq: int, sk: int, left: int, right: int) -> torch.Tensor:
+    """Bottom-right aligned band: key ``j`` visible to query ``i`` within ``left``/``right`` (-1: open)."""
     i, j = torch.arange(sq)[:, None], torch.arange(sk)[None]
     d = j - (i + sk - sq)
-    left, right = window
-    right = 0 if causal else right
     vis = torch.ones(sq, sk, dtype=torch.bool)
     if left >= 0:
         vis &= d >= -left
     if right >= 0:
         vis &= d <= right
     return vis
+
+
+def _contract(sq: int, sk: int, causal: bool, window: tuple[int, int]) -> torch.Tensor:
+    return _band(sq, sk, window[0], 0 if causal else window[1])
 
 
 def _fa2(sq: int, sk: int, max_q: int, max_k: int, causal: bool, left: int, right: int) -> torch.Tensor:
@@ -37,14 +40,7 @@ def _fa2(sq: int, sk: int, max_q: int, max_k: int, causal: bool, left: int, righ
         left = max_k
     if left >= 0 and right < 0:
         right = max_k
-    i, j = torch.arange(sq)[:, None], torch.arange(sk)[None]
-    d = j - (i + sk - sq)
-    vis = torch.ones(sq, sk, dtype=torch.bool)
-    if left >= 0:
-        vis &= d >= -left
-    if right >= 0:
-        vis &= d <= right
-    return vis
+    return _band(sq, sk, left, right)
 
 
 def test_wrapper_arguments_give_the_contract_mask() -> None:
