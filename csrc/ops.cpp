@@ -27,8 +27,6 @@ namespace {
 // H100 image, an extension whose messages streamed an int64 (``ss << long``, also what
 // c10's ``operator<<(IntArrayRef)`` does) segfaulted in that stream call when its check
 // failed, inside torch's own process and libstdc++. Strings stream safely there.
-std::string num(int64_t v) { return std::to_string(v); }
-
 std::string dims(at::IntArrayRef s) {
   std::string out = "[";
   for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
@@ -46,9 +44,9 @@ void check_cuda_contiguous(const at::Tensor& t, const at::Tensor& ref, const cha
 void check_index(const at::Tensor& idx, const at::Tensor& ref, int64_t rows) {
   check_cuda_contiguous(idx, ref, "idx");
   TORCH_CHECK(idx.scalar_type() == at::kLong, "idx must be int64, got ", idx.scalar_type());
-  TORCH_CHECK(idx.dim() == 1, "idx must be 1-D, got ", num(idx.dim()), " dims");
+  TORCH_CHECK(idx.dim() == 1, "idx must be 1-D, got ", std::to_string(idx.dim()), " dims");
   TORCH_CHECK(
-      rows < 0 || idx.size(0) == rows, "idx has ", num(idx.size(0)), " entries, expected ", num(rows));
+      rows < 0 || idx.size(0) == rows, "idx has ", std::to_string(idx.size(0)), " entries, expected ", std::to_string(rows));
 }
 
 // Elements in one dim-0 row; defined from the sizes so it also holds for zero rows.
@@ -138,10 +136,10 @@ void merge_partial_cuda(
       "part_out ", dims(part_out.sizes()), " does not match out ", dims(out.sizes()));
   TORCH_CHECK(
       lse.sizes() == at::IntArrayRef({out.size(0), h}),
-      "lse must be [T, H] = [", num(out.size(0)), ", ", num(h), "], got ", dims(lse.sizes()));
+      "lse must be [T, H] = [", std::to_string(out.size(0)), ", ", std::to_string(h), "], got ", dims(lse.sizes()));
   TORCH_CHECK(
       part_lse.sizes() == at::IntArrayRef({n, h}),
-      "part_lse must be [N, H] = [", num(n), ", ", num(h), "], got ", dims(part_lse.sizes()));
+      "part_lse must be [N, H] = [", std::to_string(n), ", ", std::to_string(h), "], got ", dims(part_lse.sizes()));
   TORCH_CHECK(
       out.scalar_type() == at::kFloat && lse.scalar_type() == at::kFloat &&
           part_lse.scalar_type() == at::kFloat,
@@ -154,7 +152,7 @@ void merge_partial_cuda(
   if (idx.has_value()) {
     check_index(*idx, out, n);
   } else {
-    TORCH_CHECK(n == out.size(0), "without idx, part_out must cover all ", num(out.size(0)), " rows");
+    TORCH_CHECK(n == out.size(0), "without idx, part_out must cover all ", std::to_string(out.size(0)), " rows");
   }
   const c10::cuda::CUDAGuard guard(out.device());
   C10_CUDA_CHECK(launch_merge_partial(

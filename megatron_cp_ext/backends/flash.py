@@ -39,8 +39,8 @@ def _pad_v(v: torch.Tensor, d: int) -> torch.Tensor:
     return v if v.shape[-1] == d else F.pad(v, (0, d - v.shape[-1]))
 
 
-def _window(causal: bool, window: tuple[int, int], max_seqlen_k: int, max_seqlen_q: int) -> tuple[int, int, int]:
-    """``(left, right, max_seqlen_k)`` as the FlashAttention-2 kernels must be given them.
+def _kernel_args(q, k, causal: bool, window: tuple[int, int], max_seqlen_q: int, max_seqlen_k: int) -> tuple[int, ...]:
+    """``(left, right, max_seqlen_q, max_seqlen_k)`` as the FlashAttention-2 kernels must be given them.
 
     FA2 reads a window against ``max_seqlen_k`` as if every entry had as many queries as
     keys: a right side ``>= max_seqlen_k`` is dropped as unbounded, and an open right side next
@@ -51,23 +51,20 @@ def _window(causal: bool, window: tuple[int, int], max_seqlen_k: int, max_seqlen
     keys, a window's lower edge on a ring step). The kernel uses ``max_seqlen_k`` only to size
     its grid over keys and for these two rules, so an upper bound is handed instead: above
     ``right`` (no drop), and ``max_seqlen_q + max_seqlen_k`` under an open right side (a stop
-    past every key). ``tests/L0/test_flash_args.py`` emulates the rules."""
+    past every key).
+
+    With ``max_seqlen_q == 1``, GQA and no mask, FA2 folds the query heads into the sequence
+    dim assuming every entry holds exactly one query; a plan's call can hold entries with
+    none, so ``max_seqlen_q`` goes up to 2 there (the general varlen path, same results).
+    ``tests/L0/test_flash_args.py`` emulates these rules."""
     left, right = (window[0], 0) if causal else window
     if right > 0:
         max_seqlen_k = max(max_seqlen_k, right + 1)
     elif left >= 0 and right < 0:
         max_seqlen_k = max_seqlen_k + max_seqlen_q
-    return left, right, max_seqlen_k
-
-
-def _max_q(max_seqlen_q: int, q: torch.Tensor, k: torch.Tensor, left: int, right: int) -> int:
-    """``max_seqlen_q`` for the kernel: 2 where FA2 would take its one-query GQA shortcut.
-
-    With ``max_seqlen_q == 1``, GQA and no mask, FA2 folds the query heads into the sequence
-    dim assuming every entry holds exactly one query; a plan's call can hold entries with
-    none. An upper bound of 2 keeps the general varlen path (one more row block, no shortcut);
-    the results are the same."""
-    return 2 if max_seqlen_q == 1 and q.shape[1] > k.shape[1] and left < 0 and right < 0 else max_seqlen_q
+    if max_seqlen_q == 1 and q.shape[1] > k.shape[1] and left < 0 and right < 0:
+        max_seqlen_q = 2
+    return left, right, max_seqlen_q, max_seqlen_k
 
 
 def _lse_nh(lse_HN: torch.Tensor) -> torch.Tensor:
@@ -84,8 +81,8 @@ def _lse_nh(lse_HN: torch.Tensor) -> torch.Tensor:
 def fa_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, scale):
     from flash_attn.flash_attn_interface import flash_attn_varlen_func
 
-    dv, (left, right, max_seqlen_k) = v.shape[-1], _window(causal, window, max_seqlen_k, max_seqlen_q)
-    max_seqlen_q = _max_q(max_seqlen_q, q, k, left, right)
+    dv, args = v.shape[-1], _kernel_args(q, k, causal, window, max_seqlen_q, max_seqlen_k)
+    left, right, max_seqlen_q, max_seqlen_k = args
     out, lse, _ = flash_attn_varlen_func(
         q, k, _pad_v(v, q.shape[-1]), cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         softmax_scale=scale, causal=causal, window_size=(left, right), return_attn_probs=True,
@@ -94,8 +91,8 @@ def fa_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, caus
 
 
 def aten_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, scale):
-    dv, (left, right, max_seqlen_k) = v.shape[-1], _window(causal, window, max_seqlen_k, max_seqlen_q)
-    max_seqlen_q = _max_q(max_seqlen_q, q, k, left, right)
+    dv, args = v.shape[-1], _kernel_args(q, k, causal, window, max_seqlen_q, max_seqlen_k)
+    left, right, max_seqlen_q, max_seqlen_k = args
     out, lse, *_ = torch.ops.aten._flash_attention_forward(
         q, k, _pad_v(v, q.shape[-1]), cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0, causal, False,
         scale=scale, window_size_left=left, window_size_right=right,
@@ -112,8 +109,7 @@ def fa_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     from flash_attn.flash_attn_interface import _flash_attn_varlen_backward
 
     vp, outp, doutp, lse_HN = _bwd_inputs(dout, q, v, out, lse)
-    left, right, max_seqlen_k = _window(causal, window, max_seqlen_k, max_seqlen_q)
-    max_seqlen_q = _max_q(max_seqlen_q, q, k, left, right)
+    left, right, max_seqlen_q, max_seqlen_k = _kernel_args(q, k, causal, window, max_seqlen_q, max_seqlen_k)
     dq, dk, dvp = torch.empty_like(q), torch.empty_like(k), torch.empty_like(vp)
     _flash_attn_varlen_backward(
         doutp, q, k, vp, outp, lse_HN, dq, dk, dvp, cu_seqlens_q, cu_seqlens_k,
@@ -124,8 +120,7 @@ def fa_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 
 def aten_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, scale):
     vp, outp, doutp, lse_HN = _bwd_inputs(dout, q, v, out, lse)
-    left, right, max_seqlen_k = _window(causal, window, max_seqlen_k, max_seqlen_q)
-    max_seqlen_q = _max_q(max_seqlen_q, q, k, left, right)
+    left, right, max_seqlen_q, max_seqlen_k = _kernel_args(q, k, causal, window, max_seqlen_q, max_seqlen_k)
     rng = torch.zeros(2, dtype=torch.uint64, device=q.device)
     dq, dk, dvp = torch.ops.aten._flash_attention_backward(
         doutp, q, k, vp, outp, lse_HN, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,

@@ -51,24 +51,23 @@ def test_wrapper_arguments_give_the_contract_mask() -> None:
         if causal and window[1] not in (-1, 0):
             continue
         max_q, max_k = sq + rng.randrange(3), sk + rng.randrange(3)  # plans pass upper bounds
-        left, right, max_k2 = flash._window(causal, window, max_k, max_q)
-        got = _fa2(sq, sk, max_q, max_k2, causal, left, right)
+        q, k = torch.empty(sq, 2, 8), torch.empty(sk, 2, 8)
+        left, right, max_q2, max_k2 = flash._kernel_args(q, k, causal, window, max_q, max_k)
+        got = _fa2(sq, sk, max_q2, max_k2, causal, left, right)
         assert torch.equal(got, _contract(sq, sk, causal, window)), (sq, sk, causal, window)
 
 
-def test_open_right_side_is_the_only_widened_case() -> None:
-    assert flash._window(False, (0, -1), 13, 50) == (0, -1, 63)
-    assert flash._window(False, (-1, 3), 13, 50) == (-1, 3, 13)
-    assert flash._window(True, (8, -1), 13, 50) == (8, 0, 13)
-    assert flash._window(False, (-1, -1), 13, 50) == (-1, -1, 13)
-
-
-def test_one_query_gqa_shortcut_is_avoided() -> None:
-    q, k = torch.empty(3, 8, 64), torch.empty(9, 2, 64)
-    assert flash._max_q(1, q, k, -1, -1) == 2
-    assert flash._max_q(1, q, k, -1, 0) == 1  # causal: FA2 keeps the general path
-    assert flash._max_q(1, q, q, -1, -1) == 1  # no GQA
-    assert flash._max_q(5, q, k, -1, -1) == 5
+def test_only_the_cases_fa2_misreads_are_widened() -> None:
+    q, k, kv = torch.empty(50, 8, 64), torch.empty(13, 2, 64), torch.empty(13, 8, 64)
+    assert flash._kernel_args(q, k, False, (0, -1), 50, 13) == (0, -1, 50, 63)
+    assert flash._kernel_args(q, k, False, (-1, 3), 50, 13) == (-1, 3, 50, 13)
+    assert flash._kernel_args(q, k, False, (-1, 20), 50, 13) == (-1, 20, 50, 21)
+    assert flash._kernel_args(q, k, True, (8, -1), 50, 13) == (8, 0, 50, 13)
+    assert flash._kernel_args(q, k, False, (-1, -1), 50, 13) == (-1, -1, 50, 13)
+    # FA2's one-query GQA shortcut is avoided, and only there
+    assert flash._kernel_args(q, k, False, (-1, -1), 1, 13)[2] == 2
+    assert flash._kernel_args(q, k, True, (-1, -1), 1, 13)[2] == 1  # causal: the general path
+    assert flash._kernel_args(q, kv, False, (-1, -1), 1, 13)[2] == 1  # no GQA
 
 
 def test_rows_that_see_nothing_get_minus_inf() -> None:
