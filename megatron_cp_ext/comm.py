@@ -69,30 +69,36 @@ class Peers:
         ``(peer, tensor, tag)`` tuple read as one); returns the batch, which holds every tensor
         the backend was given until :meth:`wait` (:mod:`.inflight`)."""
         # a tagged (contiguous) Message is posted as it is: no per-message call on the hot path
-        sends = [
-            m if m.__class__ is Message and m.tag is not None and m.tensor.is_contiguous() else self._message(m, True)
-            for m in sends
-            if m[1].numel()
-        ]
-        recvs = [m if m.__class__ is Message and m.tag is not None else self._message(m, False) for m in recvs]
-        recvs = [m for m in recvs if m.tensor.numel()]
-        out, into = [m.tensor for m in sends], [m.tensor for m in recvs]
-        if not out and not into:
+        out_m: list[Message] = []
+        for m in sends:
+            if m.__class__ is not Message or m.tag is None or not m.tensor.is_contiguous():
+                m = self._message(m, True)
+            if m.tensor.numel():
+                out_m.append(m)
+        into_m: list[Message] = []
+        for m in recvs:
+            if m.__class__ is not Message or m.tag is None:
+                m = self._message(m, False)
+            if m.tensor.numel():
+                into_m.append(m)
+        if not out_m and not into_m:
             return Batch([], [])
-        device = (out or into)[0].device
+        device = (out_m or into_m)[0].tensor.device
         direct = self._direct.get(device.type)
         if direct is None:
             direct = self._direct[device.type] = not _coalesces(self.group, device)
+        held = [m.tensor for m in out_m] + [m.tensor for m in into_m]
         if direct:  # what ``batch_isend_irecv`` does for such backends, without its per-op checks
-            works = [self.group.send([m.tensor], m.peer, m.tag) for m in sends]
-            works += [self.group.recv([m.tensor], m.peer, m.tag) for m in recvs]
+            send, recv = self.group.send, self.group.recv
+            works = [send([m.tensor], m.peer, m.tag) for m in out_m]
+            works += [recv([m.tensor], m.peer, m.tag) for m in into_m]
         else:  # one coalesced group (NCCL)
             op = lambda f, m: dist.P2POp(f, m.tensor, self._global[m.peer], self.group, m.tag)  # noqa: E731
-            works = dist.batch_isend_irecv([op(dist.isend, m) for m in sends] + [op(dist.irecv, m) for m in recvs])
-        batch = Batch(works, out + into)
+            works = dist.batch_isend_irecv([op(dist.isend, m) for m in out_m] + [op(dist.irecv, m) for m in into_m])
+        batch = Batch(works, held)
         ledger = inflight.ACTIVE[0]
         if ledger is not None:
-            batch.ticket = ledger.post(batch, out, into)
+            batch.ticket = ledger.post(batch, held[: len(out_m)], held[len(out_m) :])
         return batch
 
     def _message(self, m: Message | tuple, send: bool) -> Message:

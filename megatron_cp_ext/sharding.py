@@ -139,9 +139,14 @@ class CPSharding:
         return tuple(tuple(Segment(*map(int, s)) for s in self.rank_segments(r)) for r in range(self.cp_size))
 
     def num_tokens(self, rank: int) -> int:
-        """Number of tokens rank ``rank`` holds (ranks may differ)."""
-        s = self.rank_segments(rank)
-        return int((s[:, 2] - s[:, 1]).sum())
+        """Number of tokens rank ``rank`` holds (ranks may differ); every layer's call checks
+        its inputs against it, so the counts are computed once."""
+        counts = self._cache.get("num_tokens")
+        if counts is None:
+            n = self.seg[:, 2] - self.seg[:, 1]
+            ptr = self.rank_ptr
+            counts = self._cache["num_tokens"] = tuple(int(n[ptr[r] : ptr[r + 1]].sum()) for r in range(self.cp_size))
+        return counts[self._rank(rank)]
 
     def counts(self) -> list[int]:
         return [self.num_tokens(r) for r in range(self.cp_size)]

@@ -78,8 +78,11 @@ class Run:
 
 
 def take(x: torch.Tensor, sl: tuple[int, int] | None, idx: torch.Tensor | None) -> torch.Tensor:
-    """Rows of ``x`` selected by a call: a slice view when contiguous, else a gather."""
-    return x[sl[0] : sl[1]] if sl is not None else gather_rows(x, idx)
+    """Rows of ``x`` selected by a call: ``x`` itself when all of them, a slice view when
+    contiguous, else a gather."""
+    if sl is None:
+        return gather_rows(x, idx)
+    return x if sl[0] == 0 and sl[1] == x.shape[0] else x[sl[0] : sl[1]]
 
 
 def accumulate(acc: torch.Tensor, sl: tuple[int, int] | None, idx: torch.Tensor | None, src: torch.Tensor) -> None:

@@ -16,7 +16,6 @@ nothing here reads a device value.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -114,15 +113,14 @@ def prepare(plan: P2PPlan, device: torch.device) -> None:
 
 
 def _buffer(own: KV, n: int) -> tuple[KV, list[torch.Tensor]]:
-    """A receive buffer for ``n`` rows and its tensors in message order: one allocation either
-    way, K rows then V rows when K and V travel apart."""
+    """A receive buffer for ``n`` rows and its tensors in message order: the packed rows, or
+    K rows and V rows (two allocations: two views of one cost the host more than a second
+    allocation, and both are freed together)."""
     k, v, packed = own
     if packed is not None:
         buf = packed.new_empty((n, *packed.shape[1:]))
         return KV.of(buf, k.shape[-1]), [buf]
-    nk = n * math.prod(k.shape[1:])
-    flat = k.new_empty(nk + n * math.prod(v.shape[1:]))
-    kb, vb = flat[:nk].view(n, *k.shape[1:]), flat[nk:].view(n, *v.shape[1:])
+    kb, vb = k.new_empty((n, *k.shape[1:])), v.new_empty((n, *v.shape[1:]))
     return KV(kb, vb), [kb, vb]
 
 
@@ -141,7 +139,10 @@ def _kv_messages(own: KV, sl: _Slot | None) -> tuple[KV | None, list[Message], l
     if not sl.recv_cuts:
         return None, sends, []
     buf, parts = _buffer(own, st.recv.n)
-    recvs = [Message(st.src, x[a:b], _KV_TAG) for x in parts for a, b in sl.recv_cuts]
+    cuts = sl.recv_cuts
+    if len(cuts) == 1:  # one message per tensor: the buffer itself, no slice views
+        return buf, sends, [Message(st.src, x, _KV_TAG) for x in parts]
+    recvs = [Message(st.src, x[a:b], _KV_TAG) for x in parts for a, b in cuts]
     return buf, sends, recvs
 
 
@@ -198,12 +199,10 @@ def _land(back: KV | None, rows: Rows | None, dkv: KV) -> None:
 
 
 def _returned(kv: KV, n: int, dtype: torch.dtype) -> KV:
-    """A buffer receiving a returned dK/dV partial of ``n`` rows: one allocation, K rows then
-    V rows, both contiguous (they arrive as two messages, the way the partial is sent)."""
+    """A buffer receiving a returned dK/dV partial of ``n`` rows: K rows and V rows, both
+    contiguous (they arrive as two messages, the way the partial is sent)."""
     k, v = kv.k, kv.v
-    nk = n * math.prod(k.shape[1:])
-    flat = torch.empty(nk + n * math.prod(v.shape[1:]), dtype=dtype, device=k.device)
-    return KV(flat[:nk].view(n, *k.shape[1:]), flat[nk:].view(n, *v.shape[1:]))
+    return KV(k.new_empty((n, *k.shape[1:]), dtype=dtype), v.new_empty((n, *v.shape[1:]), dtype=dtype))
 
 
 def backward(run: Run, dout, q, k, v, out, lse) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
