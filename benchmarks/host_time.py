@@ -65,10 +65,10 @@ def auto_table(args) -> None:
     _choose(warm, MaskSpec.make(causal=True), exact=False)  # steady state: imports and first calls done
     print("| cp | tokens | estimate | full model | same choice |")
     print("|---|---|---|---|---|")
-    for cp, tokens in SIZES:
+    for cp, tokens in args.sizes or SIZES:
         est, full, same, n = [], [], 0, 0
         for seed in range(args.seeds):
-            cu = batches.cu_seqlens(batches.lognormal(tokens, seed=100 + seed))
+            cu = batches.cu_seqlens(batches.lognormal(tokens, seed=args.first_seed + seed))
             sharding = mcx.shard_sequences(cu, cp, balance=args.balance)
             for kw in MASKS.values():
                 mask = MaskSpec.make(causal=True, **kw)
@@ -173,9 +173,15 @@ def host_table(args) -> None:
         print(f"| {b} | {together} | {alone} | {min(solo[b]):.2f} | {calls[b]} |")
 
 
+def _sizes(text: str) -> tuple[tuple[int, int], ...]:
+    return tuple((int(a), int(b)) for a, b in (x.split(":") for x in text.split(",")))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--first-seed", type=int, default=100, help="batch seeds first-seed ... first-seed + seeds - 1")
+    p.add_argument("--sizes", type=_sizes, default=None, help="cp:tokens,... instead of the four default sizes")
     p.add_argument("--balance", default="workload", choices=["workload", "dualchunk", "contiguous"])
     p.add_argument("--repeat", type=int, default=1, help="estimate: best of this many runs per batch (noisy hosts)")
     p.add_argument("--full", action="store_true", help="also time the full model (before)")
