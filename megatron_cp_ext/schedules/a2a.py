@@ -148,19 +148,32 @@ class _A2AAttention(torch.autograd.Function):
         del out_h  # the accumulator: freed once permuted
         y = from_heads(send, q_parts, plan.counts, me, a2a_group, q.shape[0], q.shape[1], room)
         # the output itself is saved (the next layer keeps it anyway), not a head-sharded copy;
-        # backward moves it back to heads in the same all-to-all as dout
-        ctx.save_for_backward(q_h, kv_h, lse, offset, y)
+        # backward moves it back to heads in the same all-to-all as dout. Replicated KV heads
+        # (fewer KV heads than members) would make the head-sharded KV larger than k and v:
+        # then k and v are saved and moved to heads again in backward (one more all-to-all)
+        ctx.replicated = _overlap(kv_parts)
+        if ctx.replicated:
+            del kv_h
+            ctx.save_for_backward(q_h, k, v, lse, offset, y)
+        else:
+            ctx.save_for_backward(q_h, kv_h, lse, offset, y)
         ctx.run, ctx.group, ctx.heads, ctx.dk, ctx.t = run, a2a_group, heads, dk, q.shape[0]
         ctx.hq, ctx.hkv = q.shape[1], k.shape[1]
         return y
 
     @staticmethod
     def backward(ctx, dout):
-        q_h, kv_h, lse, offset, y = ctx.saved_tensors
-        plan, group, dk, dtype = ctx.run.plan, ctx.group, ctx.dk, q_h.dtype
+        plan, group, dk = ctx.run.plan, ctx.group, ctx.dk
         (q_parts, kv_parts), me = ctx.heads, plan.member
         perm, inv = plan.perms_on(dout.device)
-        replicated = _overlap(kv_parts)
+        replicated = ctx.replicated
+        if replicated:
+            q_h, k, v, lse, offset, y = ctx.saved_tensors
+            kv_h = to_heads(torch.cat([k, v], dim=-1), kv_parts, plan.counts, me, group, perm)
+            del k, v
+        else:
+            q_h, kv_h, lse, offset, y = ctx.saved_tensors
+        dtype = q_h.dtype
         plain = len(ctx.run.ring.plan.counts) == 1  # a ring of one
         shape = (ctx.t, ctx.hq, ctx.hkv)
         n = a2a_groups.choose(ctx.heads, plan.counts, *shape[1:], dk, y.shape[-1], dtype) if plain else 1
