@@ -114,14 +114,21 @@ def prepare(plan: P2PPlan, device: torch.device) -> None:
 
 def _buffer(own: KV, n: int) -> tuple[KV, list[torch.Tensor]]:
     """A receive buffer for ``n`` rows and its tensors in message order: the packed rows, or
-    K rows and V rows (two allocations: two views of one cost the host more than a second
-    allocation, and both are freed together)."""
+    K rows and V rows (:func:`_kv_rows`)."""
     k, v, packed = own
     if packed is not None:
         buf = packed.new_empty((n, *packed.shape[1:]))
         return KV.of(buf, k.shape[-1]), [buf]
-    kb, vb = k.new_empty((n, *k.shape[1:])), v.new_empty((n, *v.shape[1:]))
-    return KV(kb, vb), [kb, vb]
+    kv = _kv_rows(own, n)
+    return kv, [kv.k, kv.v]
+
+
+def _kv_rows(kv: KV, n: int, dtype: torch.dtype | None = None) -> KV:
+    """``n`` rows of K and of V (``dtype``: theirs if None), each contiguous: they travel as
+    two messages. Two allocations, freed together: two views of one flat allocation cost the
+    host more per step than a second allocation."""
+    k, v = kv.k, kv.v
+    return KV(k.new_empty((n, *k.shape[1:]), dtype=dtype), v.new_empty((n, *v.shape[1:]), dtype=dtype))
 
 
 def _kv_messages(own: KV, sl: _Slot | None) -> tuple[KV | None, list[Message], list[Message]]:
@@ -198,13 +205,6 @@ def _land(back: KV | None, rows: Rows | None, dkv: KV) -> None:
         off += b - a
 
 
-def _returned(kv: KV, n: int, dtype: torch.dtype) -> KV:
-    """A buffer receiving a returned dK/dV partial of ``n`` rows: K rows and V rows, both
-    contiguous (they arrive as two messages, the way the partial is sent)."""
-    k, v = kv.k, kv.v
-    return KV(k.new_empty((n, *k.shape[1:]), dtype=dtype), v.new_empty((n, *v.shape[1:]), dtype=dtype))
-
-
 def backward(run: Run, dout, q, k, v, out, lse) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv in the accumulator dtype (the caller rounds once)."""
     return _backward(run, (dout, q, out, lse), KV(k, v))
@@ -259,7 +259,7 @@ def _backward(run: Run, saved: tuple | list, kv: KV) -> tuple[torch.Tensor, torc
         home, back = ([], []), None
         if done is not None:
             st, part = slots[done[0]].step, done[1]
-            back = _returned(kv, st.send.n, dtype) if st.send.n else None
+            back = _kv_rows(kv, st.send.n, dtype) if st.send.n else None
             home = (
                 [Message(st.src, x.result(), _HOME_TAG) for x in (part.k, part.v)] if part is not None else [],
                 [Message(st.dst, x, _HOME_TAG) for x in (back.k, back.v)] if back is not None else [],
