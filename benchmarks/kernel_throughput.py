@@ -6,12 +6,9 @@ Times the local varlen kernels at CP 1 (``cp_attention`` with the flash backend,
 packed causal batches, forward and forward + backward, and divides the FLOPs the cost model
 counts for the same calls (``planner.cost.call_flops`` over the visited tile area) by the time:
 the throughputs ``predict`` then uses are what this machine sustains on exactly that measure.
-The fixed cost per call is one backend call alone (forward, and backward apart) on eight
-one-token entries, launched back to back: no plan lookup, merge or autograd around it (an
-earlier version timed a whole CP-1 layer there, 764.5 µs on an H100, host work included).
-``--write`` records the result in ``megatron_cp_ext/planner/calibration.json`` under
-``--profile`` (commit it); links are not measured here (one GPU), they stay datasheet values.
-Needs CUDA.
+A batch of one-token documents gives the fixed cost per call. ``--write`` records the result in
+``megatron_cp_ext/planner/calibration.json`` under ``--profile`` (commit it); links are not
+measured here (one GPU), they stay datasheet values. Needs CUDA.
 """
 
 from __future__ import annotations
@@ -72,22 +69,6 @@ def _case(
     return t_fwd, t_both - t_fwd, call_flops(area, hq, d, d)
 
 
-def _tiny_call(iters: int, device: str, dtype: torch.dtype, backend: str) -> tuple[float, float]:
-    """Seconds per forward and per backward kernel call on eight one-token entries (one head,
-    d 64): the backend's varlen call alone, what the cost model charges per call."""
-    from megatron_cp_ext.backends import get_backend
-
-    be = get_backend(torch.device(device), backend)
-    q, k, v = (torch.randn(8, 1, 64, device=device, dtype=dtype) for _ in range(3))
-    cu = torch.arange(9, dtype=torch.int32, device=device)
-    args = (cu, cu, 1, 1, True, (-1, -1), 0.125)
-    t_fwd = _time(lambda: be.attn_fwd(q, k, v, *args), max(iters, 50), device)
-    out, lse = be.attn_fwd(q, k, v, *args)
-    dout = torch.randn_like(out)
-    t_bwd = _time(lambda: be.attn_bwd(dout, q, k, v, out, lse, *args), max(iters, 50), device)
-    return t_fwd, t_bwd
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--profile", default="h100-nvlink-ib400", choices=[p for p in PROFILES if p != "cpu-gloo"])
@@ -116,7 +97,7 @@ def measure(shapes, iters: int, device: str = "cuda", dtype=torch.bfloat16, back
         bwd_rates.append(fl["backward"] / tb / 1e12)
         print(f"| {len(lens)} x {lens[0]} | {hq}/{hkv} | {d} | {tf * 1e3:.3f} | {tb * 1e3:.3f} "
               f"| {fwd_rates[-1]:.4g} | {bwd_rates[-1]:.4g} |")  # fmt: skip
-    tiny_f, tiny_b = _tiny_call(iters, device, dtype, backend)
+    tiny_f, tiny_b, _ = _case([1] * 8, 1, 1, 64, iters, device, dtype, backend)
     where = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     return {
         "fwd_tflops": round(min(fwd_rates), 4),  # the slowest shape: a conservative sustained rate
