@@ -125,63 +125,37 @@ def tracking(tag_allocations: bool = True) -> Iterator[Ledger]:
             torch.cuda.memory._set_memory_metadata("")
 
 
-def _frame(entry: dict) -> str:
-    """The first frame of a trace entry inside this package (else the first one), ``file:line``."""
-    frames = entry.get("frames") or []
-    ours = [f for f in frames if "megatron_cp_ext" in f.get("filename", "")]
-    f = (ours or frames or [{}])[0]
-    return f"{f.get('filename', '?').rsplit('megatron_cp_ext/', 1)[-1]}:{f.get('line', '?')}" if f else "?"
-
-
-def trace_allocs(snapshot: dict, action: str = "alloc") -> list[dict]:
-    """``action`` events (``alloc``, or ``free_requested`` for frees) of a
-    ``torch.cuda.memory._snapshot()`` with the ledger sequence number they follow (``seq``;
-    None when untagged): ``{addr, size, stream, seq, frame}``, ``frame`` the first stack frame
-    in this package (``file:line``; ``?`` when the trace has no stacks)."""
+def trace_allocs(snapshot: dict) -> list[dict]:
+    """``alloc`` events of a ``torch.cuda.memory._snapshot()`` with the ledger sequence number
+    they follow (``seq``; None when untagged): ``{addr, size, stream, seq}``."""
     out = []
     for dev_trace in snapshot.get("device_traces", []):
         for e in dev_trace:
-            if e.get("action") != action:
+            if e.get("action") != "alloc":
                 continue
             meta = e.get("user_metadata") or ""
             seq = int(meta[len(SEQ_TAG) :]) if meta.startswith(SEQ_TAG) else None
-            out.append({"addr": int(e["addr"]), "size": int(e["size"]), "stream": int(e.get("stream", 0)), "seq": seq,
-                        "frame": _frame(e)})  # fmt: skip
+            out.append({"addr": int(e["addr"]), "size": int(e["size"]), "stream": int(e.get("stream", 0)), "seq": seq})
     return out
 
 
-def _overlaps(a: dict, b: InFlight) -> bool:
-    return a["addr"] < b.addr + b.nbytes and b.addr < a["addr"] + a["size"]
-
-
-def reuse_hazards(
-    windows: list[tuple[InFlight, int]], allocs: list[dict], frees: list[dict] | None = None
-) -> list[str]:
+def reuse_hazards(windows: list[tuple[InFlight, int]], allocs: list[dict]) -> list[str]:
     """Allocations that overlap a buffer while it is in flight.
 
     An allocation tagged ``seq = s`` happened after ledger event ``s`` and before ``s + 1``; a
     buffer is in flight from its post ``p`` until its wait ``w`` (``-1``: never waited, in
     flight to the end), so ``p <= s < w`` with overlapping bytes is a reuse — across streams
     when the allocation's stream differs from the post's. Untagged allocations are skipped.
-    With ``frees`` (``trace_allocs(snapshot, "free_requested")``) each hazard also names the
-    frees of the buffer's bytes from its post up to the allocation: none means the bytes were
-    never released in the window, so the overlap is the trace's or the tags' doing, not a reuse.
     """
     out = []
     for b, w in windows:
         for a in allocs:
             s = a["seq"]
-            if s is None or s < b.posted or (w >= 0 and s >= w) or not _overlaps(a, b):
+            if s is None or s < b.posted or (w >= 0 and s >= w):
                 continue
-            across = " across streams" if a["stream"] != b.stream else ""
-            msg = (f"{b.role} buffer of batch {b.batch} ({b.nbytes} B at {b.addr:#x}) reused{across} by an "
-                   f"allocation of {a['size']} B on stream {a['stream']} at {a.get('frame', '?')} before its wait "
-                   f"(posted at {b.posted}, allocated at {s}, waited at {w})")  # fmt: skip
-            if frees is not None:
-                fs = [f for f in frees if f["seq"] is not None and b.posted <= f["seq"] <= s and _overlaps(f, b)]
-                if fs:
-                    msg += "; freed at " + ", ".join(f"{f['seq']} ({f['frame']})" for f in fs)
-                else:
-                    msg += "; no free seen" if any(f["seq"] is not None for f in frees) else "; frees untagged"
-            out.append(msg)
+            if a["addr"] < b.addr + b.nbytes and b.addr < a["addr"] + a["size"]:
+                across = " across streams" if a["stream"] != b.stream else ""
+                out.append(f"{b.role} buffer of batch {b.batch} ({b.nbytes} B at {b.addr:#x}) reused{across} by an "
+                           f"allocation of {a['size']} B on stream {a['stream']} before its wait "
+                           f"(posted at {b.posted}, allocated at {s}, waited at {w})")  # fmt: skip
     return out

@@ -64,7 +64,7 @@ def test_p2p_layer_no_allocator_reuse_across_streams():
     run_threads(4, _layer, True, device="cuda", timeout=120)  # plans, warm kernels
     if not hasattr(torch.cuda.memory, "_set_memory_metadata"):
         pytest.skip("this torch cannot tag allocations (torch.cuda.memory._set_memory_metadata)")
-    torch.cuda.memory._record_memory_history(max_entries=200_000, stacks="python")
+    torch.cuda.memory._record_memory_history(max_entries=200_000)
     try:
         with inflight.tracking() as ledger:
             run_threads(4, _layer, False, device="cuda", timeout=120)
@@ -80,5 +80,4 @@ def test_p2p_layer_no_allocator_reuse_across_streams():
     print("p2p layer transfers:", s)
     assert s["batches"] > 0 and s["unwaited"] == [] and s["violations"] == []
     assert s["tagged"] > 0  # the layer allocated between posts and waits, and the trace says when
-    hazards = inflight.reuse_hazards(ledger.windows(), allocs, inflight.trace_allocs(snap, "free_requested"))
-    assert hazards == [], f"{len(hazards)} hazards, e.g. {hazards[:4]}"
+    assert inflight.reuse_hazards(ledger.windows(), allocs) == []
