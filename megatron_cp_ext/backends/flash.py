@@ -54,9 +54,9 @@ def _kernel_args(q, k, causal: bool, window: tuple[int, int], max_seqlen_q: int,
     past every key).
 
     With ``max_seqlen_q == 1``, GQA and no mask, FA2 folds the query heads into the sequence
-    dim assuming every entry holds exactly one query; a plan's call can hold entries with
-    none, so ``max_seqlen_q`` goes up to 2 there (the general varlen path, same results).
-    ``tests/L0/test_flash_args.py`` emulates these rules."""
+    dim assuming every entry holds exactly one query. Plans emit no empty entries, but the
+    wrappers take any varlen call, so ``max_seqlen_q`` goes up to 2 there (the general varlen
+    path, same results). ``tests/L0/test_flash_args.py`` emulates these rules."""
     left, right = (window[0], 0) if causal else window
     if right > 0:
         max_seqlen_k = max(max_seqlen_k, right + 1)
