@@ -151,8 +151,7 @@ class _A2AAttention(torch.autograd.Function):
         # backward moves it back to heads in the same all-to-all as dout. Replicated KV heads
         # (fewer KV heads than members) would make the head-sharded KV larger than k and v:
         # then k and v are saved and moved to heads again in backward (one more all-to-all)
-        ctx.replicated = _overlap(kv_parts)
-        if ctx.replicated:
+        if _overlap(kv_parts):
             del kv_h
             ctx.save_for_backward(q_h, k, v, lse, offset, y)
         else:
@@ -166,7 +165,7 @@ class _A2AAttention(torch.autograd.Function):
         plan, group, dk = ctx.run.plan, ctx.group, ctx.dk
         (q_parts, kv_parts), me = ctx.heads, plan.member
         perm, inv = plan.perms_on(dout.device)
-        replicated = ctx.replicated
+        replicated = _overlap(kv_parts)  # as forward decided what to save
         if replicated:
             q_h, k, v, lse, offset, y = ctx.saved_tensors
             kv_h = to_heads(torch.cat([k, v], dim=-1), kv_parts, plan.counts, me, group, perm)
