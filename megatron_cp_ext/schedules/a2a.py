@@ -13,8 +13,8 @@ counts allow; with fewer KV heads than members, a KV head is replicated to the m
 sharing its query heads. The replicas' gradients come back from the ring in fp32 (fp64 for
 fp64 input), travel home and are summed in that precision and rounded once, so bf16 dK/dV
 lose nothing to replication. The attention-sink offset joins each member's final merge.
-Plain ``a2a``'s backward runs by head groups where the batch is large enough for that to
-lower the peak (:mod:`.a2a_groups`).
+The backward runs by head groups where the batch is large enough for that to lower the
+peak (:mod:`.a2a_groups`); ``a2a+p2p`` then runs its ring once per group.
 """
 
 from __future__ import annotations
@@ -175,13 +175,14 @@ class _A2AAttention(torch.autograd.Function):
         dtype = q_h.dtype
         plain = len(ctx.run.ring.plan.counts) == 1  # a ring of one
         shape = (ctx.t, ctx.hq, ctx.hkv)
-        n = a2a_groups.choose(ctx.heads, plan.counts, *shape[1:], dk, y.shape[-1], dtype) if plain else 1
+        n = a2a_groups.choose(ctx.heads, plan.counts, *shape[1:], dk, y.shape[-1], dtype, ring=not plain)
         if n > 1:  # by head groups (:mod:`.a2a_groups`): dK/dV come back in head layout
             saved = (q_h, kv_h, lse, dout.contiguous(), y)
             want_off = offset is not None and ctx.needs_input_grad[3]
             dq, dk_h, dv_h, d_off = a2a_groups.backward(
-                ctx.run.ring, _own_backward, plan, group, ctx.heads, saved, offset, want_off, shape, n
-            )
+                ctx.run.ring, _own_backward if plain else _ring_backward, plan, group, ctx.heads, saved, offset,
+                want_off, shape, n, wide=not plain,
+            )  # fmt: skip
             del saved
             kv = [dk_h, dv_h]  # handed over: freed once packed
             del dk_h, dv_h
@@ -196,12 +197,11 @@ class _A2AAttention(torch.autograd.Function):
             d_off = torch.zeros_like(offset)
             if h1 > h0:
                 d_off[h0:h1] = sink_grad(dout_h, out_h, lse, offset[h0:h1]).to(offset.dtype)
-        if h1 > h0 and plain:
-            dq_h, dk_h, dv_h = _own_backward(ctx.run.ring, dout_h, q_h, kv_h, out_h, lse)
-        elif h1 > h0:  # fp32 / fp64, dK and dV apart (adopted kernel outputs, no packed zeros)
+        if h1 > h0:  # the ring's: fp32 / fp64, dK and dV apart (adopted kernel outputs, no packed zeros)
             saved = [dout_h, q_h, out_h, lse]  # handed over: the ring keeps only the rows it reads
             del dout_h, out_h
-            dq_h, dk_h, dv_h = p2p.backward_packed(ctx.run.ring, saved, kv_h)
+            dq_h, dk_h, dv_h = (_own_backward if plain else _ring_backward)(ctx.run.ring, saved, kv_h)
+            del saved
         else:
             dq_h = torch.zeros_like(q_h, dtype=acc_dtype(q_h))
             dk_h = torch.zeros_like(kv_h[..., :dk], dtype=acc_dtype(q_h))
@@ -220,10 +220,14 @@ class _A2AAttention(torch.autograd.Function):
 def _kv_home(kv: list, kv_parts, plan: A2APlan, group, inv, replicated: bool, shape, dtype) -> tuple:
     """dK and dV of this member's KV heads (``kv``, handed over) moved home in one all-to-all,
     packed side by side; replicated heads travel in fp32 (fp64) and are summed there, rounded
-    to ``dtype`` once."""
+    to ``dtype`` once. Others travel in ``dtype``, rounded before they leave (the same values:
+    nothing is added to them at home). The travel dtype depends only on what every member
+    knows alike: members' gradients can come in different dtypes (one member's KV head summed
+    over head groups in fp32, another's a single kernel output), and an all-to-all whose
+    members send different element sizes does not match."""
     t, _, hkv = shape
     dv_h, dk_h = kv.pop(), kv.pop()
-    room = [_pack_home(dk_h, dv_h, inv, acc_dtype(dk_h) if replicated else None, t, hkv)]
+    room = [_pack_home(dk_h, dv_h, inv, acc_dtype(dk_h) if replicated else dtype, t, hkv)]
     width = dk_h.shape[-1] + dv_h.shape[-1]
     send = [room[0][: dk_h.shape[0] * dk_h.shape[1] * width].view(*dk_h.shape[:2], width)]
     dk = dk_h.shape[-1]
@@ -249,15 +253,16 @@ def _pack_home(dk_h, dv_h, inv: torch.Tensor, dtype: torch.dtype | None, t: int,
     """dK and dV rows in token-member order, packed side by side into one ``[T, Hk, D + Dv]``
     send buffer (one all-to-all home) by two row gathers straight into its halves; returned as
     the :func:`.heads.head_room` holding it. ``dtype``: the buffer's (replicated KV heads travel
-    home in fp32 and are summed there), else the wider of dK's and dV's."""
+    home in fp32 and are summed there)."""
     dk, shape = dk_h.shape[-1], (*dk_h.shape[:2], dk_h.shape[-1] + dv_h.shape[-1])
-    room = head_room(*shape[:2], shape[2:], t, hkv, dk_h, dtype or torch.promote_types(dk_h.dtype, dv_h.dtype))
+    room = head_room(*shape[:2], shape[2:], t, hkv, dk_h, dtype)
     packed = room[: torch.Size(shape).numel()].view(shape)
     for x, cols in ((dk_h, packed[..., :dk]), (dv_h, packed[..., dk:])):
-        if x.dtype == packed.dtype and not torch.compiler.is_compiling():  # dynamo: no out= views
-            torch.index_select(x, 0, inv, out=cols)
-        else:
+        # the gather's temporary in the narrower dtype: widened by the copy, or rounded first
+        if torch.compiler.is_compiling() or x.dtype.itemsize < packed.dtype.itemsize:  # dynamo: no out= views
             cols.copy_(x.index_select(0, inv))
+        else:
+            torch.index_select(x.to(packed.dtype), 0, inv, out=cols)
     return room
 
 
@@ -297,13 +302,23 @@ class _OnlyCall(GradAcc):
         super().add(sl, idx, src)
 
 
-def _own_backward(ring: Run, dout, q, kv, out, lse):
+def _ring_backward(ring: Run, saved: list[torch.Tensor], kv: torch.Tensor):
+    """a2a+p2p's ring backward over ``kv`` (``[rows, Hk, D + Dv]``, a head slice of the
+    head-sharded KV with head groups: its sends are then copied out row span by row span).
+    ``saved``: ``[dout, q, out, lse]`` in head layout, handed over (the ring narrows them)."""
+    return p2p.backward_packed(ring, saved, kv)
+
+
+def _own_backward(ring: Run, saved: list[torch.Tensor], kv: torch.Tensor):
     """Backward of a ring of one (plain a2a): the own block's calls, with dq, dK and dV each
     adopted from the first kernel partial that covers every row (a2a's single call), so no
     zero-filled packed dK|dV accumulator is alive at the kernel call (-0.2 of the ideal at
     cp 4). Returns ``dq, dk, dv`` in the accumulator dtype, or the kernel's own dtype where a
     single call computed them. Replicated KV heads need no fp32 accumulator here either: one
-    16-bit partial widens exactly when it is packed to travel home in fp32 for the sum."""
+    16-bit partial widens exactly when it is packed to travel home in fp32 for the sum.
+    ``saved``: ``[dout, q, out, lse]`` in head layout (handed over, as to the ring)."""
+    dout, q, out, lse = saved
+    saved.clear()
     calls = ring.plan.own.on(q.device)
     own = KV.of(kv, ring.dk)
     only = len(calls) == 1

@@ -1,5 +1,5 @@
-"""Plain ``a2a`` backward by head groups: one all-to-all pair per group, 1/G of the head-layout
-temporaries alive at a time.
+"""``a2a`` and ``a2a+p2p`` backward by head groups: one all-to-all pair per group, 1/G of the
+head-layout temporaries alive at a time.
 
 Under the flash contract the backward kernel takes dout and the output in head layout, and
 the caller keeps both in token layout meanwhile; with every head at once, the kernel call has
@@ -9,10 +9,17 @@ each group moves its share of dout and the output to heads, runs the kernel for 
 heads with the KV heads they read, and sends its dq home into the (token-layout) dq, so only
 1/G of those three is alive. The price: the whole dq is alive from the first group on; and a
 KV head whose query heads fall into several groups gets one kernel dK/dV per group, summed
-into a head-layout accumulator (fp32 for 16-bit inputs, rounded once at home, like
-replicated KV heads) — one more dK/dV (two for 16-bit) alive at the kernel call. KV heads in
+into a head-layout accumulator (fp32 for 16-bit inputs, rounded once, like replicated KV
+heads) — one more dK/dV (two for 16-bit) alive at the kernel call. KV heads in
 one group each are written once into that accumulator. dK/dV go home in one all-to-all at the
 end, as without groups.
+
+``a2a+p2p`` runs its whole ring once per group, over the group's query heads and the KV heads
+they read: each group's ring moves only those KV heads (the same bytes in all, G times the
+messages), and its received blocks, narrowed rows and dq accumulator are 1/G as large. A KV
+head read by two groups would travel twice, so the ring only takes counts whose groups read
+disjoint whole KV heads; its dK/dV come back in the accumulator dtype and stay in it until
+they leave for home, as without groups.
 
 :func:`choose` picks ``G`` from {1, 2, 4}: valid for the head shards, the modelled peak lower
 than without groups, and each group's all-to-all at least :data:`MIN_GROUP_BYTES` per member.
@@ -26,7 +33,7 @@ import torch
 from .common import KV, acc_dtype, sink_grad
 from .heads import Range, heads_into, to_heads
 
-__all__ = ["MIN_GROUP_BYTES", "GROUPS", "group_parts", "choose", "backward"]
+__all__ = ["MIN_GROUP_BYTES", "GROUPS", "group_parts", "valid", "choose", "backward"]
 
 MIN_GROUP_BYTES = 1 << 20
 """Smallest dout all-to-all per member and group (bytes) worth splitting for. An all-to-all
@@ -70,33 +77,46 @@ def group_parts(
     return [(tuple(q), tuple(kv)) for q, kv in out]
 
 
+def valid(heads, hq: int, hkv: int, groups: int, ring: bool) -> bool:
+    """Whether ``groups`` head groups are possible (:func:`group_parts`); for a ring, also every
+    member's groups reading disjoint KV heads (a shared one would travel the ring twice)."""
+    if groups == 1:
+        return True
+    parts = group_parts(*heads, hq, hkv, groups)
+    return parts is not None and not (ring and any(_shared(parts, m) for m in range(len(heads[0]))))
+
+
 def _shared(parts: list[tuple[tuple[Range, ...], tuple[Range, ...]]], m: int) -> bool:
     """Whether member ``m`` reads one KV head in several groups (its dK/dV are then summed)."""
     kvs = [kv[m] for _, kv in parts if kv[m][1] > kv[m][0]]
     return len(set(kvs)) < len(kvs)
 
 
-def choose(heads, counts: list[int], hq: int, hkv: int, d: int, dv: int, dtype: torch.dtype) -> int:
+def choose(heads, counts: list[int], hq: int, hkv: int, d: int, dv: int, dtype: torch.dtype, ring: bool = False) -> int:
     """The number of head groups for this a2a backward (the same on every member).
 
     Modelled at the largest member's shard, in bytes: groups free ``(1 - 1/G)`` of dout and
     the output moved to heads and the kernel's dq, and cost the whole token-layout dq (alive
     from the first group) plus, where KV heads are shared by groups, their summed dK/dV
     (acc dtype) beside the kernel's, else 1/G of the kernel's dK/dV. The largest gain wins;
-    no gain, or a group whose dout all-to-all is under :data:`MIN_GROUP_BYTES`, keeps one."""
+    no gain, or a group whose dout all-to-all is under :data:`MIN_GROUP_BYTES`, keeps one.
+
+    ``ring``: for ``a2a+p2p``'s ring, only counts whose groups read disjoint KV heads on every
+    member (:func:`valid`); its dq and dK/dV are kept in the accumulator dtype."""
     q_parts, kv_parts = heads
     if GROUPS is not None:
-        return next((c for c in (*_CANDIDATES, 1) if c <= GROUPS and (c == 1 or group_parts(*heads, hq, hkv, c))), 1)
+        return next((c for c in (*_CANDIDATES, 1) if c <= GROUPS and valid(heads, hq, hkv, c, ring)), 1)
     m = max(range(len(q_parts)), key=lambda i: q_parts[i][1] - q_parts[i][0])
     rows, nq, nkv = sum(counts), q_parts[m][1] - q_parts[m][0], kv_parts[m][1] - kv_parts[m][0]
     size, wide = dtype.itemsize, 8 if dtype == torch.float64 else 4  # the acc dtype's
-    moved = rows * nq * (2 * dv + d) * size  # dout and output in head layout, the kernel's dq
+    # dout and output in head layout, the kernel's dq (the ring's: its accumulator)
+    moved = rows * nq * (2 * dv * size + d * (wide if ring else size))
     home = max(counts) * hq * d * size
-    kv_kernel = rows * nkv * (d + dv) * size
+    kv_kernel = rows * nkv * (d + dv) * (wide if ring else size)
     best, gain = 1, 0.0
     for c in _CANDIDATES:
         parts = group_parts(*heads, hq, hkv, c)
-        if parts is None or rows * nq * dv * size / c < MIN_GROUP_BYTES:
+        if not valid(heads, hq, hkv, c, ring) or rows * nq * dv * size / c < MIN_GROUP_BYTES:
             continue
         kv_cost = kv_kernel * wide / size if _shared(parts, m) else kv_kernel / c
         g = moved * (1 - 1 / c) - home - kv_cost
@@ -105,17 +125,21 @@ def choose(heads, counts: list[int], hq: int, hkv: int, d: int, dv: int, dtype: 
     return best
 
 
-def backward(ring, own_backward, plan, group, heads, tensors, offset, want_off: bool, shape, groups: int):
+def backward(
+    ring, block_backward, plan, group, heads, tensors, offset, want_off: bool, shape, groups: int, wide: bool = False
+):
     """dq (token layout), dK and dV (head layout, this member's KV heads: the caller sends them
     home) and the sink gradient, computed group by group. ``tensors``: the saved ``q_h, kv_h,
     lse``, the incoming ``dout`` and the saved output ``y`` (token layout); ``shape``: ``(t,
-    hq, hkv)``; ``own_backward``: the a2a ring of one's backward of one block."""
+    hq, hkv)``; ``block_backward(ring, saved, kv)``: one group's backward (the a2a ring of
+    one's block, or a2a+p2p's whole ring), ``saved`` the group's ``[dout, q, out, lse]`` in head
+    layout handed over; ``wide``: keep dK/dV in the accumulator dtype (the ring's partials)."""
     q_h, kv_h, lse, dout, y = tensors
     (q_parts, kv_parts), me, counts, (t, hq, hkv) = heads, plan.member, plan.counts, shape
     perm, inv = plan.perms_on(dout.device)
     parts = group_parts(q_parts, kv_parts, hq, hkv, groups)
     h0, k0 = q_parts[me][0], kv_parts[me][0]
-    dtype = acc_dtype(kv_h) if _shared(parts, me) else kv_h.dtype  # summed partials: widened
+    dtype = acc_dtype(kv_h) if wide or _shared(parts, me) else kv_h.dtype  # summed partials: widened
     dq = dout.new_empty((t, hq, q_h.shape[-1]), dtype=q_h.dtype)
     d_off = torch.zeros_like(offset) if want_off else None
     acc: list[torch.Tensor | None] = [None, None]
@@ -128,11 +152,13 @@ def backward(ring, own_backward, plan, group, heads, tensors, offset, want_off: 
         if d_off is not None and b > a:
             d_off[a:b] = sink_grad(dout_h, out_h, lse_j, offset[a:b]).to(offset.dtype)
         if b > a:
-            kv = kv_h[:, ka - k0 : kb - k0]
-            g_q, g_k, g_v = own_backward(ring, dout_h, q_h[:, a - h0 : b - h0], kv, out_h, lse_j)
+            saved = [dout_h, q_h[:, a - h0 : b - h0], out_h, lse_j]  # handed over
+            del dout_h, out_h
+            g_q, g_k, g_v = block_backward(ring, saved, kv_h[:, ka - k0 : kb - k0])
+            del saved
         else:
             g_q = q_h.new_zeros((q_h.shape[0], 0, q_h.shape[-1]))
-        del dout_h, out_h
+        dout_h = out_h = None
         send = [g_q.to(q_h.dtype).index_select(0, inv)]
         del g_q
         heads_into(send, q_j, counts, me, group, dq)

@@ -141,8 +141,8 @@ def _kv_messages(own: KV, sl: _Slot | None) -> tuple[KV | None, list[Message], l
         sends = []
     elif sl.send_idx is not None:
         sends = [Message(st.dst, gather_rows(x, sl.send_idx), _KV_TAG) for x in xs]
-    else:
-        sends = [Message(st.dst, x[a:b], _KV_TAG) for x in xs for a, b in st.send.spans]
+    else:  # a head slice (a2a+p2p's backward by head groups) is not contiguous: its rows copied
+        sends = [Message(st.dst, _dense(x[a:b]), _KV_TAG) for x in xs for a, b in st.send.spans]
     if not sl.recv_cuts:
         return None, sends, []
     buf, parts = _buffer(own, st.recv.n)
@@ -151,6 +151,11 @@ def _kv_messages(own: KV, sl: _Slot | None) -> tuple[KV | None, list[Message], l
         return buf, sends, [Message(st.src, x, _KV_TAG) for x in parts]
     recvs = [Message(st.src, x[a:b], _KV_TAG) for x in parts for a, b in cuts]
     return buf, sends, recvs
+
+
+def _dense(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as a message can carry it: itself when contiguous, else a contiguous copy."""
+    return x if x.is_contiguous() else x.contiguous()
 
 
 def forward(

@@ -1,6 +1,6 @@
-"""Plain a2a's backward by head groups (``schedules/a2a_groups.py``) against the dense fp64
-reference: split KV heads, KV heads shared by groups (summed), replicated KV heads, uneven
-shards, sinks, bf16; and the rule that picks the group count."""
+"""a2a's and a2a+p2p's backward by head groups (``schedules/a2a_groups.py``) against the dense
+fp64 reference: split KV heads, KV heads shared by groups (summed), replicated KV heads, uneven
+shards, sinks, bf16, a ring per group; and the rule that picks the group count."""
 
 import pytest
 import torch
@@ -31,7 +31,43 @@ CASES = {  # world, hq, hkv, groups, extra
     "sink-noncausal": (4, 8, 4, 2, {"sink": (0.5, -1.0, 2.0, 0.0, 1.0, -0.5, 0.3, 0.9), "causal": False}),
     "bf16-shared": (4, 8, 4, 2, {"dtype": "bfloat16"}),
     "bf16-replicated": (4, 8, 2, 2, {"dtype": "bfloat16"}),
+    # 4 + 2 query heads: one member's KV head is summed over its groups in fp32, the other's
+    # are single kernel outputs; dK/dV must still travel home in one dtype on both
+    "bf16-uneven-shared": (2, 6, 3, 2, {"dtype": "bfloat16"}),
 }
+
+
+RING_CASES = {  # world, a2a size, hq, hkv, groups, extra: a2a+p2p, its ring run once per group
+    "ring-split-kv": (4, 2, 8, 4, 2, {}),  # 2 KV heads per member, one per group
+    "ring-mha": (4, 2, 8, 8, 4, {"window_size": (9, -1), "balance": "workload"}),  # 4 KV heads per member, 4 rings
+    "ring-shared-kv": (4, 2, 8, 4, 4, {}),  # 4 groups would share a KV head: 2 taken
+    "ring-replicated": (8, 4, 8, 2, 2, {"d": 8, "dv": 6}),  # hkv < a2a size: 1 group (shared)
+    "ring-sink-bf16": (4, 2, 8, 4, 2, {"sink": (0.5, -1.0, 2.0, 0.0, 1.0, -0.5, 0.3, 0.9), "dtype": "bfloat16"}),
+    "ring-noncausal-uneven": (4, 2, 12, 6, 2, {"causal": False}),  # 6 q / 3 KV heads per member: 1 group
+}
+
+
+@pytest.mark.parametrize("name", list(RING_CASES))
+def test_grouped_ring_backward_matches_dense(name):
+    world, a2a, hq, hkv, groups, extra = RING_CASES[name]
+    case = AttnCase(seqlens=SEQLENS, comm_type="a2a+p2p", a2a_size=a2a, hq=hq, hkv=hkv, **extra)
+    check_case(run_on_ranks(world, _grouped, case, groups), case)
+
+
+def test_ring_groups_read_disjoint_kv_heads():
+    """a2a+p2p takes only counts whose groups read disjoint KV heads (a shared one would travel
+    the ring twice); plain a2a also takes a shared one."""
+    heads = split_heads(16, 4, 2)  # 8 query / 2 KV heads per member
+    assert a2a_groups.valid(heads, 16, 4, 2, ring=True)
+    assert not a2a_groups.valid(heads, 16, 4, 4, ring=True) and a2a_groups.valid(heads, 16, 4, 4, ring=False)
+    a2a_groups.GROUPS = 4
+    try:
+        assert a2a_groups.choose(heads, [4096, 4096], 16, 4, 64, 64, torch.float32, ring=True) == 2
+        assert a2a_groups.choose(heads, [4096, 4096], 16, 4, 64, 64, torch.float32) == 4
+    finally:
+        a2a_groups.GROUPS = None
+    assert a2a_groups.choose(heads, [4096, 4096], 16, 4, 64, 64, torch.float32, ring=True) == 2
+    assert a2a_groups.choose(heads, [256, 256], 16, 4, 64, 64, torch.float32, ring=True) == 1  # too small
 
 
 @pytest.mark.parametrize("name", list(CASES))
