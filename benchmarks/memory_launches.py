@@ -11,7 +11,8 @@ saved them (p2p, all_gather: a2a saves head-sharded copies instead, and a traini
 frees inputs nobody saved).
 ``calls``/``bwd_calls``: kernel calls forward/backward; ``fwd_comms``/``bwd_comms``:
 collectives. ``--a2a-groups N`` caps plain a2a's backward head groups at N regardless of the
-size rule (``schedules/a2a_groups.py``), to compare the counts side by side.
+size rule (``schedules/a2a_groups.py``), to compare the counts side by side; ``--p2p-groups N``
+the same for p2p's backward (``p2p.head_groups``).
 
     python benchmarks/memory_launches.py --world-size 4 --tokens 8192
     python benchmarks/memory_launches.py --world-size 8 --tokens 512 --host-ms
@@ -32,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 import megatron_cp_ext as mcx
-from megatron_cp_ext.schedules import a2a_groups
+from megatron_cp_ext.schedules import a2a_groups, p2p
 from megatron_cp_ext.testing.accounting import Tracker, add_storage, flash_stub, saved_bytes
 from megatron_cp_ext.testing.spawn import spawn_ranks
 
@@ -99,6 +100,7 @@ def _host_ms(q, k, v, dout, call, iters: int) -> float:
 def _worker(rank: int, world: int, args) -> None:
     torch.manual_seed(0)
     a2a_groups.GROUPS = args.a2a_groups
+    p2p.GROUPS = args.p2p_groups
     a2a_size = 2 if world % 2 == 0 and world > 2 else world
     pair = mcx.hierarchical_cp_groups(a2a_size) if world > 1 else None
     lens = _seqlens(args.tokens)
@@ -152,6 +154,9 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument(
         "--a2a-groups", type=int, default=None, help="a2a backward head groups: at most this many (default: chosen)"
+    )
+    p.add_argument(
+        "--p2p-groups", type=int, default=None, help="p2p backward head groups: at most this many (default: chosen)"
     )
     args = p.parse_args()
     spawn_ranks(_worker, args.world_size, args)

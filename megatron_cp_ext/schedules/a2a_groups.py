@@ -33,7 +33,7 @@ import torch
 from .common import KV, acc_dtype, sink_grad
 from .heads import Range, heads_into, to_heads
 
-__all__ = ["MIN_GROUP_BYTES", "GROUPS", "group_parts", "valid", "choose", "backward"]
+__all__ = ["MIN_GROUP_BYTES", "RING_MIN_GROUP_BYTES", "GROUPS", "group_parts", "valid", "choose", "backward"]
 
 MIN_GROUP_BYTES = 1 << 20
 """Smallest dout all-to-all per member and group (bytes) worth splitting for. An all-to-all
@@ -41,6 +41,13 @@ pays a fixed cost per call beside its bytes' time, and a MiB crosses NVLink in a
 microseconds: below that, extra collectives cost mostly their fixed part, and the layer's
 buffers are too small for the saving (0.1-0.3x the ideal) to matter. A judgement, not a
 measured knee (docs/performance.md, "a2a backward by head groups")."""
+RING_MIN_GROUP_BYTES = 16 << 20
+"""The same floor where each group runs a whole ring (``p2p``, ``a2a+p2p``): a group there
+costs a ring's worth of messages, kernel calls and copies (about 2-3x a ring's backward
+launches at G = 2), all paid again per step, so only shards whose buffers matter in absolute
+terms (a 16 MiB group dout is 4K tokens of 32 heads x 128 in bf16 at G = 2), and whose ring
+steps take long enough to hide the extra launches, are split. A judgement, like
+:data:`MIN_GROUP_BYTES`, not a measured knee."""
 GROUPS: int | None = None
 """Forces the largest valid count in {1, 2, 4} up to this one, regardless of size and of the
 modelled peak (tests: small batches); None chooses by :func:`choose`."""
@@ -116,7 +123,8 @@ def choose(heads, counts: list[int], hq: int, hkv: int, d: int, dv: int, dtype: 
     best, gain = 1, 0.0
     for c in _CANDIDATES:
         parts = group_parts(*heads, hq, hkv, c)
-        if not valid(heads, hq, hkv, c, ring) or rows * nq * dv * size / c < MIN_GROUP_BYTES:
+        floor = RING_MIN_GROUP_BYTES if ring else MIN_GROUP_BYTES
+        if not valid(heads, hq, hkv, c, ring) or rows * nq * dv * size / c < floor:
             continue
         kv_cost = kv_kernel * wide / size if _shared(parts, m) else kv_kernel / c
         g = moved * (1 - 1 / c) - home - kv_cost

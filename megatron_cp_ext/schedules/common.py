@@ -111,13 +111,23 @@ class GradAcc:
     widened: one op instead of a zero fill and an add, the same values (``0 + x`` is ``x``;
     only a ``-0.0`` stays ``-0.0`` instead of becoming ``+0.0``) and the same memory."""
 
-    def __init__(self, like: torch.Tensor) -> None:
+    def __init__(self, like: torch.Tensor, into: torch.Tensor | None = None) -> None:
         self.shape, self.dtype, self.device = like.shape, acc_dtype(like), like.device
         self.t: torch.Tensor | None = None
+        self._into = into
+        """A caller's buffer (``like``'s shape, the accumulator dtype; a head slice of a larger
+        accumulator) to accumulate into: the first partial covering every row is copied into it,
+        else it is zeroed first. Nothing is adopted then."""
         self._rows: dict[tuple[int, int], torch.Tensor] = {}
         """Row-slice views of ``t`` by slice: the steps add into the same few slices again."""
 
     def add(self, sl: tuple[int, int] | None, idx: torch.Tensor | None, src: torch.Tensor) -> None:
+        if self.t is None and self._into is not None:
+            self.t, self._into = self._into, None
+            if sl == (0, self.shape[0]) and src.shape == self.shape:
+                self.t.copy_(src)
+                return
+            self.t.zero_()
         if self.t is None:
             if sl == (0, self.shape[0]) and src.shape == self.shape:
                 if src.dtype != self.dtype:
@@ -136,6 +146,8 @@ class GradAcc:
         view.add_(src)
 
     def result(self) -> torch.Tensor:
+        if self.t is None and self._into is not None:
+            self.t, self._into = self._into.zero_(), None
         if self.t is None:
             self.t = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
         self._rows = {}

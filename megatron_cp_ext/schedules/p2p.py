@@ -11,7 +11,8 @@ Backward: KV moves exactly as in forward. Right after a step's block is computed
 arrived), in the same batch as the next step's KV, and the partial of the rows this rank
 sent at that step comes back from their reader; the owner adds it to its own block's
 gradient one step later, so at most two are in flight. All sizes come from the host plan:
-nothing here reads a device value.
+nothing here reads a device value. Large shards run the backward's ring once per group of
+whole KV heads (:func:`head_groups`), so its overlap buffers are that much smaller.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 from ..comm import Message, Peers
 from ..ops import gather_rows
 from ..plan import VarlenCall
+from .a2a_groups import RING_MIN_GROUP_BYTES
 from .common import KV, GradAcc, OutAcc, Run, acc_dtype, add_rows, step_backward, step_forward
 from .p2p_plan import P2PPlan, Rows, Step, build_plan, plan_narrow
 
@@ -210,9 +212,46 @@ def _land(back: KV | None, rows: Rows | None, dkv: KV) -> None:
         off += b - a
 
 
+GROUPS: int | None = None
+"""Forces the largest count in {1, 2, 4} up to this one that :func:`head_groups` allows,
+regardless of size (tests: small batches); None chooses by size."""
+
+
+def head_groups(plan: P2PPlan, hq: int, hkv: int, dv: int, dtype: torch.dtype) -> list | None:
+    """The backward's head groups: ``[((q0, q1), (k0, k1)), ...]``, or None for one.
+
+    Run by ``G`` groups of whole KV heads (and their query heads), the ring moves and computes
+    1/G of the heads at a time: its received blocks, returned partials and a ring step's kernel
+    outputs are 1/G as large, for G times the messages and kernel calls (the same bytes), the
+    sent rows copied out of the head slice, and the own block's gradients copied into the
+    layer's instead of adopted. Two groups of disjoint whole KV heads (a KV head shared by two
+    groups would travel twice), and only where a group's dout on the largest rank is at least
+    :data:`.a2a_groups.RING_MIN_GROUP_BYTES`. Every input is the same on every rank."""
+    rows = max(plan.counts) if plan.counts else 0
+    for g in (4, 2) if GROUPS is not None else (2,):
+        if hkv % g or hq % hkv or (GROUPS is not None and g > GROUPS):
+            continue
+        if GROUPS is None and rows * (hq // g) * dv * dtype.itemsize < RING_MIN_GROUP_BYTES:
+            continue
+        qs, ks = hq // g, hkv // g
+        return [((i * qs, (i + 1) * qs), (i * ks, (i + 1) * ks)) for i in range(g)]
+    return None
+
+
 def backward(run: Run, dout, q, k, v, out, lse) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq, dk, dv in the accumulator dtype (the caller rounds once)."""
-    return _backward(run, (dout, q, out, lse), KV(k, v))
+    """dq, dk, dv in the accumulator dtype (the caller rounds once): by head groups where
+    :func:`head_groups` gives some, each group's ring accumulating into its heads of the
+    layer's gradients."""
+    parts = head_groups(run.plan, q.shape[1], k.shape[1], v.shape[-1], q.dtype)
+    if parts is None:
+        return _backward(run, (dout, q, out, lse), KV(k, v))
+    dtype = acc_dtype(q)
+    dq, dk, dv = (x.new_empty(x.shape, dtype=dtype) for x in (q, k, v))
+    for (a, b), (ka, kb) in parts:
+        into = (dq[:, a:b], KV(dk[:, ka:kb], dv[:, ka:kb]))
+        saved = (dout[:, a:b], q[:, a:b], out[:, a:b], lse[:, a:b])
+        _backward(run, saved, KV(k[:, ka:kb], v[:, ka:kb]), into)
+    return dq, dk, dv
 
 
 def backward_packed(run: Run, saved: list[torch.Tensor], kv: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -223,7 +262,9 @@ def backward_packed(run: Run, saved: list[torch.Tensor], kv: torch.Tensor) -> tu
     return _backward(run, saved, KV.of(kv, run.dk))
 
 
-def _backward(run: Run, saved: tuple | list, kv: KV) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _backward(
+    run: Run, saved: tuple | list, kv: KV, into: tuple | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Steps as in forward. The batch posted before step s computes carries step s+1's KV and
     step s-1's dK/dV partial home (with the receive of the partial of the rows sent at s-1):
     one batch per step, and each partial still travels behind the next step's compute.
@@ -233,7 +274,8 @@ def _backward(run: Run, saved: tuple | list, kv: KV) -> tuple[torch.Tensor, torc
     no zero-filled buffer is alive at a kernel call (a partial goes home as two messages, K
     then V, for that reason; a packed one would be a copy). ``saved``: ``(dout, q, out, lse)``;
     a list is handed over (emptied here): nothing else holds ``dout`` and ``out``, so they may
-    be narrowed (:class:`_Narrow`)."""
+    be narrowed (:class:`_Narrow`). ``into``: ``(dq, KV(dk, dv))`` buffers (accumulator dtype)
+    to accumulate into instead of adopting kernel outputs (a head group's slices)."""
     owned = isinstance(saved, list)
     if owned:
         handed, saved = saved, tuple(saved)
@@ -243,9 +285,10 @@ def _backward(run: Run, saved: tuple | list, kv: KV) -> tuple[torch.Tensor, torc
     walk = _walk(run.plan, q.device)
     slots, n = walk.slots, len(walk.slots)
     peers = Peers(run.group, _KV_TAG) if run.group is not None else None
-    dq = GradAcc(q)
+    dq = GradAcc(q, into[0] if into else None)
     dtype = acc_dtype(q)
-    dkv = KV(GradAcc(kv.k), GradAcc(kv.v))  # made on first use (adopting a whole kernel output)
+    # made on first use (adopting a whole kernel output), or ``into``'s
+    dkv = KV(GradAcc(kv.k, into[1].k if into else None), GradAcc(kv.v, into[1].v if into else None))
     pending = _post(peers, kv, slots[1]) if n > 1 else ([], None)
     views: dict = {}
     step_backward(walk.own, run, saved, kv, dq, dkv, views)

@@ -1,11 +1,12 @@
-"""a2a's and a2a+p2p's backward by head groups (``schedules/a2a_groups.py``) against the dense
-fp64 reference: split KV heads, KV heads shared by groups (summed), replicated KV heads, uneven
-shards, sinks, bf16, a ring per group; and the rule that picks the group count."""
+"""Backward by head groups against the dense fp64 reference: a2a's (``schedules/a2a_groups.py``:
+split KV heads, KV heads shared by groups (summed), replicated KV heads, uneven shards, sinks,
+bf16), a2a+p2p's and p2p's (a ring per group, ``p2p.head_groups``); and the rules that pick
+the group count."""
 
 import pytest
 import torch
 
-from megatron_cp_ext.schedules import a2a_groups
+from megatron_cp_ext.schedules import a2a_groups, p2p
 from megatron_cp_ext.schedules.heads import split_heads
 from megatron_cp_ext.testing.cases import AttnCase, check_case, run_case
 from megatron_cp_ext.testing.pool import run_on_ranks
@@ -15,11 +16,11 @@ SEQLENS = (40, 0, 1, 77, 9)
 
 def _grouped(rank, world, case, groups):
     """``run_case`` with the backward forced to (at most) ``groups`` head groups."""
-    a2a_groups.GROUPS = groups
+    a2a_groups.GROUPS = p2p.GROUPS = groups
     try:
         res = run_case(rank, world, case)
     finally:
-        a2a_groups.GROUPS = None
+        a2a_groups.GROUPS = p2p.GROUPS = None
     return res
 
 
@@ -54,6 +55,37 @@ def test_grouped_ring_backward_matches_dense(name):
     check_case(run_on_ranks(world, _grouped, case, groups), case)
 
 
+P2P_CASES = {  # world, hq, hkv, groups, extra: p2p, its ring run once per group of KV heads
+    "gqa": (4, 8, 4, 2, {}),
+    "mha-4-window": (4, 8, 8, 4, {"window_size": (9, -1), "balance": "workload"}),
+    "mla-bf16": (2, 4, 2, 2, {"d": 8, "dv": 6, "dtype": "bfloat16"}),
+    "sink-noncausal": (3, 4, 4, 4, {"sink": (0.5, -1.0, 2.0, 0.3), "causal": False}),
+    "fp64-chunk": (2, 4, 2, 2, {"dtype": "float64", "chunk_size": 16}),
+    "odd-kv": (2, 6, 3, 2, {}),  # 3 KV heads: no two groups of whole heads, one ring
+}
+
+
+@pytest.mark.parametrize("name", list(P2P_CASES))
+def test_grouped_p2p_backward_matches_dense(name):
+    world, hq, hkv, groups, extra = P2P_CASES[name]
+    case = AttnCase(seqlens=SEQLENS, comm_type="p2p", hq=hq, hkv=hkv, **extra)
+    check_case(run_on_ranks(world, _grouped, case, groups), case)
+
+
+def test_p2p_head_groups_rule():
+    """Two groups of whole KV heads, above the ring's size floor only; forced counts up to 4."""
+    plan = p2p.P2PPlan([8192, 8192], 0, None, [], None)
+    assert p2p.head_groups(plan, 16, 4, 64, torch.float32) == [((0, 8), (0, 2)), ((8, 16), (2, 4))]
+    assert p2p.head_groups(plan, 16, 4, 64, torch.bfloat16) is None  # 8 MiB per group's dout
+    assert p2p.head_groups(plan, 6, 3, 64, torch.float32) is None  # odd KV heads
+    p2p.GROUPS = 4
+    try:
+        assert len(p2p.head_groups(plan, 16, 4, 64, torch.bfloat16)) == 4
+        assert len(p2p.head_groups(plan, 16, 2, 64, torch.bfloat16)) == 2
+    finally:
+        p2p.GROUPS = None
+
+
 def test_ring_groups_read_disjoint_kv_heads():
     """a2a+p2p takes only counts whose groups read disjoint KV heads (a shared one would travel
     the ring twice); plain a2a also takes a shared one."""
@@ -66,8 +98,10 @@ def test_ring_groups_read_disjoint_kv_heads():
         assert a2a_groups.choose(heads, [4096, 4096], 16, 4, 64, 64, torch.float32) == 4
     finally:
         a2a_groups.GROUPS = None
-    assert a2a_groups.choose(heads, [4096, 4096], 16, 4, 64, 64, torch.float32, ring=True) == 2
-    assert a2a_groups.choose(heads, [256, 256], 16, 4, 64, 64, torch.float32, ring=True) == 1  # too small
+    assert a2a_groups.choose(heads, [16384, 16384], 16, 4, 64, 64, torch.float32, ring=True) == 2
+    # 8 MiB per group's dout: enough for plain a2a, under the ring's floor (a ring per group)
+    assert a2a_groups.choose(heads, [4096, 4096], 16, 4, 64, 64, torch.float32, ring=True) == 1
+    assert a2a_groups.choose(heads, [4096, 4096], 16, 4, 64, 64, torch.float32) == 4
 
 
 @pytest.mark.parametrize("name", list(CASES))

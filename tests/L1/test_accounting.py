@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 import megatron_cp_ext as mcx
 from megatron_cp_ext import ops
-from megatron_cp_ext.schedules import a2a_groups
+from megatron_cp_ext.schedules import a2a_groups, p2p
 from megatron_cp_ext.schedules.common import GradAcc, accumulate
 from megatron_cp_ext.testing.accounting import Tracker, add_storage, flash_stub, saved_bytes
 from megatron_cp_ext.testing.pool import run_on_ranks
@@ -84,11 +84,11 @@ def _peak_worker(rank, world, comm, groups=None):
     """Forward and backward peaks over the ideal, as ``benchmarks/memory_launches.py`` counts;
     ``groups``: the a2a backward's head groups (forced: this batch is below the size rule's
     threshold; for a2a+p2p a ring per group)."""
-    a2a_groups.GROUPS = groups
+    a2a_groups.GROUPS = p2p.GROUPS = groups
     try:
         return _peaks(rank, world, comm)
     finally:
-        a2a_groups.GROUPS = None
+        a2a_groups.GROUPS = p2p.GROUPS = None
 
 
 def _peaks(rank, world, comm):
@@ -119,9 +119,9 @@ def _peaks(rank, world, comm):
 
 
 # Measured (cp 2 and 4, 16/4 heads, d 64, fp32): forward 1.41 p2p (1.61 at cp 4), 1.99 a2a,
-# 2.20 a2a+p2p; backward 2.69 p2p (3.19 at cp 4), 2.79 a2a (2.39 by four head groups),
-# 3.38 a2a+p2p at cp 4 (2.94 with its ring run by two head groups, whose bound the ungrouped
-# peak fails). Each bound keeps about one [t, hq, d] buffer (0.2) of margin, but the
+# 2.20 a2a+p2p; backward 2.69 p2p (3.19 at cp 4, 2.64 with its ring run by two head groups),
+# 2.79 a2a (2.39 by four head groups), 3.38 a2a+p2p at cp 4 (2.94 by two head groups; the
+# grouped bounds fail the ungrouped peaks). Each bound keeps about one [t, hq, d] buffer (0.2) of margin, but the
 # grouped a2a's, which keeps a group's buffer (0.1); the pre-change peaks (3.02 / 3.29 p2p,
 # 3.42 / 4.58 a2a, a2a's backward of 2.99 before it adopted the kernel's dK/dV, 2.79 without
 # head groups, and a2a+p2p's 4.18 before its ring narrowed dout/out and adopted its dK/dV
@@ -135,6 +135,7 @@ def _peaks(rank, world, comm):
         (2, "a2a", 4, 2.2, 2.45),
         (4, "a2a+p2p", None, 2.45, 3.6),
         (4, "a2a+p2p", 2, 2.45, 3.15),
+        (4, "p2p", 2, 1.85, 2.85),
     ],
 )
 def test_peak_memory_bounds(world, comm, groups, fwd, bwd):
