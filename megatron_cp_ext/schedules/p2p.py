@@ -143,7 +143,7 @@ def _kv_messages(own: KV, sl: _Slot | None) -> tuple[KV | None, list[Message], l
         sends = []
     elif sl.send_idx is not None:
         sends = [Message(st.dst, gather_rows(x, sl.send_idx), _KV_TAG) for x in xs]
-    else:  # a head slice (a2a+p2p's backward by head groups) is not contiguous: its rows copied
+    else:  # a head group's slice of k and v (backward by head groups) is not contiguous: rows copied
         sends = [Message(st.dst, _dense(x[a:b]), _KV_TAG) for x in xs for a, b in st.send.spans]
     if not sl.recv_cuts:
         return None, sends, []
