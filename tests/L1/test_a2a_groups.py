@@ -24,51 +24,39 @@ def _grouped(rank, world, case, groups):
     return res
 
 
-CASES = {  # world, hq, hkv, groups, extra
-    "split-kv": (2, 8, 4, 2, {}),  # 2 KV heads per member, one per group
-    "mixed": (2, 8, 4, 4, {}),  # each KV head's 2 query heads in 2 groups
-    "shared-kv": (4, 8, 4, 4, {}),  # 1 KV head per member, its 2 query heads in 2 groups
-    "replicated": (4, 8, 2, 4, {"d": 8, "dv": 6}),  # hkv < cp, MLA dims
-    "sink-noncausal": (4, 8, 4, 2, {"sink": (0.5, -1.0, 2.0, 0.0, 1.0, -0.5, 0.3, 0.9), "causal": False}),
-    "bf16-shared": (4, 8, 4, 2, {"dtype": "bfloat16"}),
-    "bf16-replicated": (4, 8, 2, 2, {"dtype": "bfloat16"}),
+SINK8 = (0.5, -1.0, 2.0, 0.0, 1.0, -0.5, 0.3, 0.9)
+CASES = {  # comm type, world, a2a size (a2a+p2p), hq, hkv, groups, extra
+    "split-kv": ("a2a", 2, 0, 8, 4, 2, {}),  # 2 KV heads per member, one per group
+    "mixed": ("a2a", 2, 0, 8, 4, 4, {}),  # each KV head's 2 query heads in 2 groups
+    "shared-kv": ("a2a", 4, 0, 8, 4, 4, {}),  # 1 KV head per member, its 2 query heads in 2 groups
+    "replicated": ("a2a", 4, 0, 8, 2, 4, {"d": 8, "dv": 6}),  # hkv < cp, MLA dims
+    "sink-noncausal": ("a2a", 4, 0, 8, 4, 2, {"sink": SINK8, "causal": False}),
+    "bf16-shared": ("a2a", 4, 0, 8, 4, 2, {"dtype": "bfloat16"}),
+    "bf16-replicated": ("a2a", 4, 0, 8, 2, 2, {"dtype": "bfloat16"}),
     # 4 + 2 query heads: one member's KV head is summed over its groups in fp32, the other's
     # are single kernel outputs; dK/dV must still travel home in one dtype on both
-    "bf16-uneven-shared": (2, 6, 3, 2, {"dtype": "bfloat16"}),
+    "bf16-uneven-shared": ("a2a", 2, 0, 6, 3, 2, {"dtype": "bfloat16"}),
+    # a2a+p2p: its ring run once per group
+    "ring-split-kv": ("a2a+p2p", 4, 2, 8, 4, 2, {}),  # 2 KV heads per member, one per group
+    "ring-mha": ("a2a+p2p", 4, 2, 8, 8, 4, {"window_size": (9, -1), "balance": "workload"}),  # 4 rings
+    "ring-shared-kv": ("a2a+p2p", 4, 2, 8, 4, 4, {}),  # 4 groups would share a KV head: 2 taken
+    "ring-replicated": ("a2a+p2p", 8, 4, 8, 2, 2, {"d": 8, "dv": 6}),  # hkv < a2a size: 1 group
+    "ring-sink-bf16": ("a2a+p2p", 4, 2, 8, 4, 2, {"sink": SINK8, "dtype": "bfloat16"}),
+    "ring-noncausal-uneven": ("a2a+p2p", 4, 2, 12, 6, 2, {"causal": False}),  # 6 q / 3 KV heads: 1 group
+    # p2p: its ring run once per group of KV heads
+    "p2p-gqa": ("p2p", 4, 0, 8, 4, 2, {}),
+    "p2p-mha-4-window": ("p2p", 4, 0, 8, 8, 4, {"window_size": (9, -1), "balance": "workload"}),
+    "p2p-mla-bf16": ("p2p", 2, 0, 4, 2, 2, {"d": 8, "dv": 6, "dtype": "bfloat16"}),
+    "p2p-sink-noncausal": ("p2p", 3, 0, 4, 4, 4, {"sink": (0.5, -1.0, 2.0, 0.3), "causal": False}),
+    "p2p-fp64-chunk": ("p2p", 2, 0, 4, 2, 2, {"dtype": "float64", "chunk_size": 16}),
+    "p2p-odd-kv": ("p2p", 2, 0, 6, 3, 2, {}),  # 3 KV heads: no two groups of whole heads, one ring
 }
 
 
-RING_CASES = {  # world, a2a size, hq, hkv, groups, extra: a2a+p2p, its ring run once per group
-    "ring-split-kv": (4, 2, 8, 4, 2, {}),  # 2 KV heads per member, one per group
-    "ring-mha": (4, 2, 8, 8, 4, {"window_size": (9, -1), "balance": "workload"}),  # 4 KV heads per member, 4 rings
-    "ring-shared-kv": (4, 2, 8, 4, 4, {}),  # 4 groups would share a KV head: 2 taken
-    "ring-replicated": (8, 4, 8, 2, 2, {"d": 8, "dv": 6}),  # hkv < a2a size: 1 group (shared)
-    "ring-sink-bf16": (4, 2, 8, 4, 2, {"sink": (0.5, -1.0, 2.0, 0.0, 1.0, -0.5, 0.3, 0.9), "dtype": "bfloat16"}),
-    "ring-noncausal-uneven": (4, 2, 12, 6, 2, {"causal": False}),  # 6 q / 3 KV heads per member: 1 group
-}
-
-
-@pytest.mark.parametrize("name", list(RING_CASES))
-def test_grouped_ring_backward_matches_dense(name):
-    world, a2a, hq, hkv, groups, extra = RING_CASES[name]
-    case = AttnCase(seqlens=SEQLENS, comm_type="a2a+p2p", a2a_size=a2a, hq=hq, hkv=hkv, **extra)
-    check_case(run_on_ranks(world, _grouped, case, groups), case)
-
-
-P2P_CASES = {  # world, hq, hkv, groups, extra: p2p, its ring run once per group of KV heads
-    "gqa": (4, 8, 4, 2, {}),
-    "mha-4-window": (4, 8, 8, 4, {"window_size": (9, -1), "balance": "workload"}),
-    "mla-bf16": (2, 4, 2, 2, {"d": 8, "dv": 6, "dtype": "bfloat16"}),
-    "sink-noncausal": (3, 4, 4, 4, {"sink": (0.5, -1.0, 2.0, 0.3), "causal": False}),
-    "fp64-chunk": (2, 4, 2, 2, {"dtype": "float64", "chunk_size": 16}),
-    "odd-kv": (2, 6, 3, 2, {}),  # 3 KV heads: no two groups of whole heads, one ring
-}
-
-
-@pytest.mark.parametrize("name", list(P2P_CASES))
-def test_grouped_p2p_backward_matches_dense(name):
-    world, hq, hkv, groups, extra = P2P_CASES[name]
-    case = AttnCase(seqlens=SEQLENS, comm_type="p2p", hq=hq, hkv=hkv, **extra)
+@pytest.mark.parametrize("name", list(CASES))
+def test_grouped_backward_matches_dense(name):
+    comm, world, a2a, hq, hkv, groups, extra = CASES[name]
+    case = AttnCase(seqlens=SEQLENS, comm_type=comm, a2a_size=a2a, hq=hq, hkv=hkv, **extra)
     check_case(run_on_ranks(world, _grouped, case, groups), case)
 
 
@@ -102,13 +90,6 @@ def test_ring_groups_read_disjoint_kv_heads():
     # 8 MiB per group's dout: enough for plain a2a, under the ring's floor (a ring per group)
     assert a2a_groups.choose(heads, [4096, 4096], 16, 4, 64, 64, torch.float32, ring=True) == 1
     assert a2a_groups.choose(heads, [4096, 4096], 16, 4, 64, 64, torch.float32) == 4
-
-
-@pytest.mark.parametrize("name", list(CASES))
-def test_grouped_backward_matches_dense(name):
-    world, hq, hkv, groups, extra = CASES[name]
-    case = AttnCase(seqlens=SEQLENS, comm_type="a2a", hq=hq, hkv=hkv, **extra)
-    check_case(run_on_ranks(world, _grouped, case, groups), case)
 
 
 def test_uneven_shards_fall_back_or_split():
