@@ -180,7 +180,7 @@ class _A2AAttention(torch.autograd.Function):
             saved = (q_h, kv_h, lse, dout.contiguous(), y)
             want_off = offset is not None and ctx.needs_input_grad[3]
             dq, dk_h, dv_h, d_off = a2a_groups.backward(
-                ctx.run.ring, _own_backward if plain else _ring_backward, plan, group, ctx.heads, saved, offset,
+                ctx.run.ring, _own_backward if plain else p2p.backward_packed, plan, group, ctx.heads, saved, offset,
                 want_off, shape, n, wide=not plain,
             )  # fmt: skip
             del saved
@@ -200,7 +200,7 @@ class _A2AAttention(torch.autograd.Function):
         if h1 > h0:  # the ring's: fp32 / fp64, dK and dV apart (adopted kernel outputs, no packed zeros)
             saved = [dout_h, q_h, out_h, lse]  # handed over: the ring keeps only the rows it reads
             del dout_h, out_h
-            dq_h, dk_h, dv_h = (_own_backward if plain else _ring_backward)(ctx.run.ring, saved, kv_h)
+            dq_h, dk_h, dv_h = (_own_backward if plain else p2p.backward_packed)(ctx.run.ring, saved, kv_h)
             del saved
         else:
             dq_h = torch.zeros_like(q_h, dtype=acc_dtype(q_h))
@@ -300,13 +300,6 @@ class _OnlyCall(GradAcc):
             self.t = src
             return
         super().add(sl, idx, src)
-
-
-def _ring_backward(ring: Run, saved: list[torch.Tensor], kv: torch.Tensor):
-    """a2a+p2p's ring backward over ``kv`` (``[rows, Hk, D + Dv]``, a head slice of the
-    head-sharded KV with head groups: its sends are then copied out row span by row span).
-    ``saved``: ``[dout, q, out, lse]`` in head layout, handed over (the ring narrows them)."""
-    return p2p.backward_packed(ring, saved, kv)
 
 
 def _own_backward(ring: Run, saved: list[torch.Tensor], kv: torch.Tensor):

@@ -255,10 +255,11 @@ def backward(run: Run, dout, q, k, v, out, lse) -> tuple[torch.Tensor, torch.Ten
 
 
 def backward_packed(run: Run, saved: list[torch.Tensor], kv: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """:func:`backward` on packed ``kv`` (its K and V halves as views): the same ``dq, dk, dv``.
-    ``saved``: ``[dout, q, out, lse]``, handed over (emptied here): the caller holds no other
-    reference to ``dout`` and ``out``, so after the own block only the rows the ring's calls
-    read are kept of them (:class:`_Narrow`)."""
+    """One ring's backward on packed ``kv`` (its K and V halves as views; a head slice of it
+    under a2a+p2p's head groups, which that schedule runs itself): ``dq, dk, dv`` as
+    :func:`backward`'s. ``saved``: ``[dout, q, out, lse]``, handed over (emptied here): the
+    caller holds no other reference to ``dout`` and ``out``, so after the own block only the
+    rows the ring's calls read are kept of them (:class:`_Narrow`)."""
     return _backward(run, saved, KV.of(kv, run.dk))
 
 
