@@ -18,8 +18,8 @@ end, as without groups.
 they read: each group's ring moves only those KV heads (the same bytes in all, G times the
 messages), and its received blocks, narrowed rows and dq accumulator are 1/G as large. A KV
 head read by two groups would travel twice, so the ring only takes counts whose groups read
-disjoint whole KV heads; its dK/dV come back in the accumulator dtype and stay in it until
-they leave for home, as without groups.
+disjoint whole KV heads; each group's ring accumulates its KV heads' dK/dV straight into
+the head-layout accumulator, in the accumulator dtype until they leave for home.
 
 :func:`choose` picks ``G`` from {1, 2, 4}: valid for the head shards, the modelled peak lower
 than without groups, and each group's all-to-all at least :data:`MIN_GROUP_BYTES` per member.
@@ -141,7 +141,9 @@ def backward(
     lse``, the incoming ``dout`` and the saved output ``y`` (token layout); ``shape``: ``(t,
     hq, hkv)``; ``block_backward(ring, saved, kv)``: one group's backward (the a2a ring of
     one's block, or a2a+p2p's whole ring), ``saved`` the group's ``[dout, q, out, lse]`` in head
-    layout handed over; ``wide``: keep dK/dV in the accumulator dtype (the ring's partials)."""
+    layout handed over; ``wide``: a ring per group (a2a+p2p), dK/dV kept in the accumulator
+    dtype and accumulated by each group's ring into its KV heads (``block_backward``'s fourth
+    argument, ``(None, KV(dk, dv))``), nothing adopted or copied after."""
     q_h, kv_h, lse, dout, y = tensors
     (q_parts, kv_parts), me, counts, (t, hq, hkv) = heads, plan.member, plan.counts, shape
     perm, inv = plan.perms_on(dout.device)
@@ -151,6 +153,10 @@ def backward(
     dq = dout.new_empty((t, hq, q_h.shape[-1]), dtype=q_h.dtype)
     d_off = torch.zeros_like(offset) if want_off else None
     acc: list[torch.Tensor | None] = [None, None]
+    if wide:  # each ring accumulates its KV heads' dK/dV straight into theirs (disjoint heads)
+        kv = KV.of(kv_h, ring.dk)
+        acc = [x.new_empty(x.shape, dtype=dtype) for x in (kv.k, kv.v)]
+        del kv
     done = k0  # KV heads below this one have their dK/dV in ``acc``
     for q_j, kv_j in parts:
         dout_h = to_heads(dout, q_j, counts, me, group, perm, exact=False)
@@ -162,20 +168,21 @@ def backward(
         if b > a:
             saved = [dout_h, q_h[:, a - h0 : b - h0], out_h, lse_j]  # handed over
             del dout_h, out_h
-            g_q, g_k, g_v = block_backward(ring, saved, kv_h[:, ka - k0 : kb - k0])
-            del saved
+            into = (None, KV(*(x[:, ka - k0 : kb - k0] for x in acc))) if wide else None
+            g_q, g_k, g_v = block_backward(ring, saved, kv_h[:, ka - k0 : kb - k0], *([into] if wide else []))
+            del saved, into
         else:
             g_q = q_h.new_zeros((q_h.shape[0], 0, q_h.shape[-1]))
         dout_h = out_h = None
         send = [g_q.to(q_h.dtype).index_select(0, inv)]
         del g_q
         heads_into(send, q_j, counts, me, group, dq)
-        if b > a:
+        if b > a and not wide:
             for i, g_x in enumerate((g_k, g_v)):
                 acc[i] = _add(acc[i], g_x, (ka - k0, kb - k0), ka >= done, kv_h.shape[:2], dtype)
             done = max(done, kb)
             del g_k, g_v, g_x  # before the next group's kernel call
-    if acc[0] is None:  # a member without heads: empty dK/dV to send
+    if q_parts[me][1] <= h0:  # a member without heads: empty dK/dV to send
         kv = KV.of(kv_h, ring.dk)
         acc = [torch.zeros_like(kv.k), torch.zeros_like(kv.v)]
     return dq, acc[0], acc[1], d_off

@@ -254,13 +254,16 @@ def backward(run: Run, dout, q, k, v, out, lse) -> tuple[torch.Tensor, torch.Ten
     return dq, dk, dv
 
 
-def backward_packed(run: Run, saved: list[torch.Tensor], kv: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def backward_packed(
+    run: Run, saved: list[torch.Tensor], kv: torch.Tensor, into: tuple | None = None
+) -> tuple[torch.Tensor, ...]:
     """One ring's backward on packed ``kv`` (its K and V halves as views; a head slice of it
     under a2a+p2p's head groups, which that schedule runs itself): ``dq, dk, dv`` as
     :func:`backward`'s. ``saved``: ``[dout, q, out, lse]``, handed over (emptied here): the
     caller holds no other reference to ``dout`` and ``out``, so after the own block only the
-    rows the ring's calls read are kept of them (:class:`_Narrow`)."""
-    return _backward(run, saved, KV.of(kv, run.dk))
+    rows the ring's calls read are kept of them (:class:`_Narrow`). ``into``: as
+    :func:`_backward`'s."""
+    return _backward(run, saved, KV.of(kv, run.dk), into)
 
 
 def _backward(
@@ -275,8 +278,9 @@ def _backward(
     no zero-filled buffer is alive at a kernel call (a partial goes home as two messages, K
     then V, for that reason; a packed one would be a copy). ``saved``: ``(dout, q, out, lse)``;
     a list is handed over (emptied here): nothing else holds ``dout`` and ``out``, so they may
-    be narrowed (:class:`_Narrow`). ``into``: ``(dq, KV(dk, dv))`` buffers (accumulator dtype)
-    to accumulate into instead of adopting kernel outputs (a head group's slices)."""
+    be narrowed (:class:`_Narrow`). ``into``: ``(dq, KV(dk, dv))`` buffers (accumulator dtype;
+    ``dq`` may be None) to accumulate into instead of adopting kernel outputs (a head group's
+    slices)."""
     owned = isinstance(saved, list)
     if owned:
         handed, saved = saved, tuple(saved)
@@ -289,7 +293,7 @@ def _backward(
     dq = GradAcc(q, into[0] if into else None)
     dtype = acc_dtype(q)
     # made on first use (adopting a whole kernel output), or ``into``'s
-    dkv = KV(GradAcc(kv.k, into[1].k if into else None), GradAcc(kv.v, into[1].v if into else None))
+    dkv = KV(*(GradAcc(x, into[1][i] if into else None) for i, x in enumerate((kv.k, kv.v))))
     pending = _post(peers, kv, slots[1]) if n > 1 else ([], None)
     views: dict = {}
     step_backward(walk.own, run, saved, kv, dq, dkv, views)
