@@ -121,18 +121,20 @@ def _peaks(rank, world, comm):
 # Measured (cp 2 and 4, 16/4 heads, d 64, fp32): forward 1.41 p2p (1.61 at cp 4), 1.99 a2a,
 # 2.20 a2a+p2p; backward 2.69 p2p (3.19 at cp 4, 2.64 with its ring run by two head groups),
 # 2.79 a2a (2.39 by four head groups), 3.38 a2a+p2p at cp 4 (2.84 by two head groups; the
-# grouped bounds fail the ungrouped peaks). Each bound keeps about one [t, hq, d] buffer (0.2) of margin, but the
-# grouped a2a's, which keeps a group's buffer (0.1); the pre-change peaks (3.02 / 3.29 p2p,
-# 3.42 / 4.58 a2a, a2a's backward of 2.99 before it adopted the kernel's dK/dV, 2.79 without
-# head groups, and a2a+p2p's 4.18 before its ring narrowed dout/out and adopted its dK/dV
-# partials) fail them.
-# The worker takes the least of three layers, so a buffer gloo frees late does not count.
+# grouped bounds fail the ungrouped peaks). Each bound keeps about one [t, hq, d] buffer (0.2)
+# of margin; the pre-change peaks (3.02 / 3.29 p2p, 3.42 / 4.58 a2a, a2a's backward of 2.99
+# before it adopted the kernel's dK/dV, 2.79 without head groups, and a2a+p2p's 4.18 before its
+# ring narrowed dout/out and adopted its dK/dV partials) fail them.
+# The worker takes the least of three layers, so a buffer gloo frees late in one layer does not
+# count. Under load gloo's own thread can be late in every layer of a run: the grouped a2a then
+# peaks one group's buffer (0.1) higher, 2.49 (once in 15 runs with both cores busy), so its
+# bound is the backward goal of 2.5 rather than 2.39 plus a margin.
 @pytest.mark.parametrize(
     "world,comm,groups,fwd,bwd",
     [
         (2, "p2p", None, 1.65, 2.95),
         (2, "a2a", 1, 2.2, 2.95),
-        (2, "a2a", 4, 2.2, 2.45),
+        (2, "a2a", 4, 2.2, 2.5),  # the goal
         (4, "a2a+p2p", None, 2.45, 3.6),
         (4, "a2a+p2p", 2, 2.45, 3.05),
         (4, "p2p", 2, 1.85, 2.85),
