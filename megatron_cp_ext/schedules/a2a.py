@@ -142,6 +142,9 @@ class _A2AAttention(torch.autograd.Function):
             out_h, lse = apply_sink(out_h, lse, offset[h0:h1])
         if h1 <= h0:  # a member without heads computes nothing (its peers in the other groups neither)
             out_h, lse = new_accumulators(q_h, v.shape[-1])
+        replicated = _overlap(kv_parts)
+        if replicated:  # not saved (k and v are): freed before the output's move home
+            del kv_h
         out_h = out_h.to(q.dtype)  # a 16-bit output: the fp32 accumulator freed before the permutation
         room = [head_room(*out_h.shape[:2], out_h.shape[2:], q.shape[0], q.shape[1], out_h)]
         send = [_permuted(out_h, plan.perms_on(q.device)[1], room[0])]
@@ -151,8 +154,7 @@ class _A2AAttention(torch.autograd.Function):
         # backward moves it back to heads in the same all-to-all as dout. Replicated KV heads
         # (fewer KV heads than members) would make the head-sharded KV larger than k and v:
         # then k and v are saved and moved to heads again in backward (one more all-to-all)
-        if _overlap(kv_parts):
-            del kv_h
+        if replicated:
             ctx.save_for_backward(q_h, k, v, lse, offset, y)
         else:
             ctx.save_for_backward(q_h, kv_h, lse, offset, y)
