@@ -65,7 +65,7 @@ def make_packed_seq_params(
     balance: str = "workload",
     device: torch.device | str | None = None,
     causal: bool = True,
-    window_size: tuple[int, int] = (-1, -1),
+    window_size: tuple[int, int] | None = (-1, -1),
     chunk_size: int | None = None,
     token_multiple: int = 1,
 ) -> PackedSeqParams:
@@ -76,7 +76,8 @@ def make_packed_seq_params(
     sharding, so every layer reuses one plan and nothing syncs with the device. ``causal``,
     ``window_size``, ``chunk_size``: the model's attention mask, which the ``workload``
     balance balances under (any sharding is exact under any mask; the sharding travels with
-    the params, so every layer uses this one whatever its own mask). ``balance="te"``:
+    the params, so every layer uses this one whatever its own mask); ``window_size=None`` is
+    Megatron's ``config.window_size`` for no window, as ``(-1, -1)``. ``balance="te"``:
     TransformerEngine's THD split. ``token_multiple``: every rank's token count a multiple
     of it (sequence parallelism needs the TP size).
     """
@@ -86,7 +87,7 @@ def make_packed_seq_params(
     recipe = ShardRecipe(
         balance=check_layout_name(balance, "balance"),
         causal=causal,
-        window_size=window_size,
+        window_size=(-1, -1) if window_size is None else window_size,
         chunk_size=chunk_size,
         token_multiple=token_multiple,
     )

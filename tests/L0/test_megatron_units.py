@@ -83,6 +83,15 @@ def test_thd_batch_at_cp1_gets_true_positions_and_params() -> None:
     assert params.qkv_format == "thd" and params.cu_seqlens_q.tolist() == [0, 3, 8] and params.max_seqlen_q == 5
 
 
+def test_packed_seq_params_takes_megatrons_no_window() -> None:
+    """``window_size=None`` (Megatron's ``config.window_size`` without a window) is no window."""
+    from megatron_cp_ext.megatron import make_packed_seq_params
+
+    cu = [0, 5, 6, 15]
+    got = make_packed_seq_params(cu, window_size=None)._mcx_cp_context.recipe
+    assert got == make_packed_seq_params(cu)._mcx_cp_context.recipe and got.window_size == (-1, -1)
+
+
 @pytest.mark.parametrize("window", [None, (3, 0)])
 def test_core_attention_thd_matches_dense_reference(window) -> None:
     from megatron_cp_ext.megatron import make_packed_seq_params
