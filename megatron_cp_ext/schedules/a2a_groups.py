@@ -153,7 +153,7 @@ def backward(
     dq = dout.new_empty((t, hq, q_h.shape[-1]), dtype=q_h.dtype)
     d_off = torch.zeros_like(offset) if want_off else None
     acc: list[torch.Tensor | None] = [None, None]
-    if wide:  # each ring accumulates its KV heads' dK/dV straight into theirs (disjoint heads)
+    if wide and q_parts[me][1] > h0:  # each ring accumulates its KV heads' dK/dV into theirs (disjoint heads)
         kv = KV.of(kv_h, ring.dk)
         acc = [x.new_empty(x.shape, dtype=dtype) for x in (kv.k, kv.v)]
         del kv
