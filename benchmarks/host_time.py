@@ -109,9 +109,11 @@ def _null_transfers() -> None:
     inproc.ThreadGroup.send, inproc.ThreadGroup.recv, inproc.ThreadGroup._mcx_null = null_send, null_recv, True
 
 
-def _host_worker(rank: int, world: int, iters: int, balance: str, turns: threading.Barrier) -> tuple[float, float]:
+def _host_worker(
+    rank: int, world: int, iters: int, balance: str, turns: threading.Barrier, cu: list[int] = HOST_CU
+) -> tuple[float, float]:
     """(median thread ms per layer with all ranks running, median ms of this rank alone)."""
-    sharding = mcx.shard_sequences(HOST_CU, world, balance=balance)
+    sharding = mcx.shard_sequences(cu, world, balance=balance)
     t = sharding.num_tokens(rank)
     g = torch.Generator().manual_seed(rank)
     q, dout = (torch.randn(t, 2, 8, generator=g) for _ in range(2))
@@ -173,6 +175,34 @@ def host_table(args) -> None:
         print(f"| {b} | {together} | {alone} | {min(solo[b]):.2f} | {calls[b]} |")
 
 
+def held_out_table(args) -> None:
+    """The per-layer goal on batches it was not tuned on: ``--host-batches`` random 512-token
+    batches (lognormal lengths, medians 16-256, log-std 0.5-1.5, seeded from ``--first-seed``),
+    the default balance; each batch's slowest rank alone (median of ``--iters`` layers)."""
+    import numpy as np
+
+    _null_transfers()
+    rng = np.random.default_rng(args.first_seed)
+    alone, calls = [], []
+    with flash_stub():
+        for i in range(args.host_batches):
+            lens = batches.lognormal(512, median=int(rng.integers(16, 257)), sigma=float(rng.uniform(0.5, 1.5)),
+                                     seed=args.first_seed + i)  # fmt: skip
+            cu = np.concatenate([[0], np.cumsum(lens)]).tolist()
+            per_rank = run_threads(8, _host_worker, args.iters, "workload", threading.Barrier(8), cu)
+            alone.append(max(y for _, y in per_rank))
+            plans = mcx.inspect_plan(mcx.shard_sequences(cu, 8), "p2p").ranks.values()
+            calls.append(max(len(r.calls) for r in plans))
+    q = sorted(alone)
+    p95 = q[min(len(q) - 1, int(0.95 * len(q)))]
+    print(f"\nheld-out 512-token batches ({len(q)}, cp 8, workload, p2p): slowest rank alone, ms per layer")
+    print("| median | p95 | worst | share <= 1 ms | forward calls (largest rank): median / worst |")
+    print("|---|---|---|---|---|")
+    share = sum(x <= 1.0 for x in q) / len(q)
+    print(f"| {statistics.median(q):.2f} | {p95:.2f} | {q[-1]:.2f} | {share:.2f} | "
+          f"{statistics.median(calls):.0f} / {max(calls)} |")  # fmt: skip
+
+
 def _sizes(text: str) -> tuple[tuple[int, int], ...]:
     return tuple((int(a), int(b)) for a, b in (x.split(":") for x in text.split(",")))
 
@@ -190,11 +220,14 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3, help="host table: alternating rounds per balance")
     p.add_argument("--skip-host", action="store_true")
     p.add_argument("--skip-auto", action="store_true")
+    p.add_argument("--host-batches", type=int, default=0, help="also time this many random 512-token batches")
     args = p.parse_args()
     if not args.skip_auto:
         auto_table(args)
     if not args.skip_host:
         host_table(args)
+    if args.host_batches:
+        held_out_table(args)
 
 
 if __name__ == "__main__":
