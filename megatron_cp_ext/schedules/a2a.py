@@ -30,7 +30,7 @@ from ..sharding import CPSharding
 from . import a2a_groups, p2p
 from .common import KV, GradAcc, OutAcc, Run, acc_dtype, apply_sink, new_accumulators, sink_grad, step_forward, take
 from .heads import from_heads, head_room, split_heads, to_heads
-from .p2p_plan import plan_narrow
+from .p2p_plan import plan_narrow, split_wide
 
 __all__ = ["A2APlan", "build_plan", "group_union", "attention", "split_heads"]
 
@@ -107,6 +107,7 @@ def build_plan(sharding: CPSharding, a2a_size: int, cp_rank: int, mask: MaskSpec
         ring = p2p.build_plan([u[0] for u in unions], me, mask)
         if len(ring.counts) > 1:  # the ring's backward owns dout and out: plan what it keeps of them
             ring.narrow = plan_narrow(ring)
+            split_wide(ring)  # its forward runs beside the head-sharded q and KV: halve wide partials
         group = sharding._plans[key] = (counts, perm_t, inv, ring)
     counts, perm_t, inv, ring = group
     return A2APlan(counts, perm_t, inv, ring, cp_rank % a2a_size)

@@ -43,6 +43,8 @@ class _Slot:
     """The plan's step."""
     calls: list[VarlenCall]
     """Its calls with index tensors on the device."""
+    fwd_calls: list[VarlenCall]
+    """The forward's calls (``calls`` unless the plan split some, :func:`.p2p_plan.split_wide`)."""
     send_idx: torch.Tensor | None
     """Gather index of the sent rows when they travel packed, else None (one view per span)."""
     recv_cuts: tuple[tuple[int, int], ...]
@@ -72,7 +74,9 @@ def _walk(plan: P2PPlan, device: torch.device) -> _Walk:
     slots: list[_Slot | None] = [None] * len(plan.counts)
     for st in plan.steps:
         send_idx = st.send.index_on(device) if st.send.n and st.send.packed else None
-        slots[st.slot] = _Slot(step=st, calls=st.plan.on(device), send_idx=send_idx, recv_cuts=st.recv.cuts)
+        calls = st.plan.on(device)
+        fwd = st.fwd.on(device) if st.fwd is not None else calls
+        slots[st.slot] = _Slot(step=st, calls=calls, fwd_calls=fwd, send_idx=send_idx, recv_cuts=st.recv.cuts)
     walk = plan.walks[key] = _Walk(own=own, slots=slots)
     return walk
 
@@ -178,9 +182,9 @@ def forward(
         pending = nxt
         Peers.wait(batch)
         del batch
-        if buf is not None and slots[s].calls:
+        if buf is not None and slots[s].fwd_calls:
             bufs, buf = [buf], None  # handed over: step_forward frees it after its last kernel call
-            step_forward(slots[s].calls, run, q, bufs, acc, views)
+            step_forward(slots[s].fwd_calls, run, q, bufs, acc, views)
             del bufs
         del buf
     return acc.result()  # accumulator dtype: the caller adds any sink and rounds once

@@ -27,9 +27,9 @@ import numpy as np
 import torch
 
 from ..masks import MaskSpec
-from ..plan import Layout, StepPlan, plan_steps, visible_rows
+from ..plan import Layout, StepPlan, VarlenCall, plan_steps, visible_rows
 
-__all__ = ["Rows", "Step", "P2PPlan", "CommRows", "Narrow", "build_plan", "plan_narrow", "MAX_MESSAGES"]
+__all__ = ["Rows", "Step", "P2PPlan", "CommRows", "Narrow", "build_plan", "plan_narrow", "split_wide", "MAX_MESSAGES"]
 
 MAX_MESSAGES = 8
 """Row ranges sent as separate messages (views); more fragmented selections are packed."""
@@ -110,6 +110,8 @@ class Step:
     """Participant that gets rows of the own block (``rank + slot``)."""
     send: Rows
     """Own rows sent to ``dst``; their dK/dV partials come back from it in backward."""
+    fwd: StepPlan | None = None
+    """The forward's calls where they differ from ``plan`` (:func:`split_wide`), else None."""
 
 
 @dataclass(frozen=True)
@@ -248,3 +250,65 @@ def build_plan(segments: list[np.ndarray], rank: int, mask: MaskSpec) -> P2PPlan
     counts = [int((s[:, 2] - s[:, 1]).sum()) for s in segments]
     own = plans.get(0, StepPlan([]))
     return P2PPlan(counts, rank, own, steps, rows, own_order=_own_order(own, counts[rank]))
+
+
+SPLIT_TILE = 128
+"""Row multiple of a cut inside one entry (:func:`split_wide`), so no call gains a query tile."""
+
+
+def _halves(call: VarlenCall) -> tuple[np.ndarray, np.ndarray] | None:
+    """``call``'s entries cut into two groups of about half its query rows each, or None.
+
+    A cut between entries is exact for any mask. A cut inside an entry is exact where the
+    bottom-right alignment survives it: every key visible (no window), or causal (right side
+    0), the front half then ending its keys as many rows earlier as it lost queries. The cut
+    falls at the entry boundary nearest the middle unless one inside an entry, at a tile
+    multiple from the entry's start, comes nearer."""
+    e = call.entries
+    lq = e[:, 1] - e[:, 0]
+    t = int(lq.sum())
+    ends = np.cumsum(lq)
+    mid = t // 2
+    i = int(np.argmin(np.abs(ends[:-1] - mid))) if len(e) > 1 else -1
+    best = abs(int(ends[i]) - mid) if i >= 0 else t
+    j = int(np.searchsorted(ends, mid, "right"))  # the entry holding the middle row
+    inner = None
+    if j < len(e) and (tuple(call.window) == (-1, -1) or call.window[1] == 0):
+        first = int(ends[j] - lq[j])
+        cut = first + SPLIT_TILE * round((mid - first) / SPLIT_TILE)
+        if first < cut < int(ends[j]) and abs(cut - mid) < best:
+            inner = cut - first
+    if inner is None:
+        if i < 0 or best > t // 4:
+            return None
+        return e[: i + 1], e[i + 1 :]
+    q0, q1, k0, k1 = (int(x) for x in e[j])
+    lost = q1 - (q0 + inner)
+    kf = k1 - lost if call.window[1] == 0 else k1
+    front = [e[:j]] + ([np.array([[q0, q0 + inner, k0, kf]], e.dtype)] if kf > k0 else [])
+    back = [np.array([[q0 + inner, q1, k0, k1]], e.dtype), e[j + 1 :]]
+    return np.concatenate(front), np.concatenate(back)
+
+
+def split_wide(plan: P2PPlan) -> None:
+    """Give the ring steps' forward calls over more than half the local queries two calls
+    instead (:attr:`Step.fwd`), where a cut of about half is exact (:func:`_halves`).
+
+    A forward call's output partial lives beside the output accumulator until it is merged:
+    over every local query it is as large as the accumulator. a2a+p2p's ring runs beside
+    the head-sharded q and KV, so that partial sets its forward peak; halves cost one kernel
+    call and one merge more per such step and lower that peak by half the accumulator's
+    size (0.2 of the ideal at 16/4 heads). Cuts inside an entry fall at tile multiples. The backward keeps ``plan``'s calls (a split there would add dK/dV sums)."""
+    t = plan.counts[plan.rank]
+    for st in plan.steps:
+        calls, changed = [], False
+        for c in st.plan.calls:
+            n = int((c.entries[:, 1] - c.entries[:, 0]).sum())
+            parts = _halves(c) if 2 * n > t and n >= 2 * SPLIT_TILE else None
+            if parts is None:
+                calls.append(c)
+                continue
+            calls += [VarlenCall.build(c.window, p) for p in parts if len(p)]
+            changed = True
+        if changed:
+            st.fwd = StepPlan(calls)

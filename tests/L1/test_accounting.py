@@ -132,14 +132,16 @@ def _peaks(rank, world, comm, hkv):
 # bound is the backward goal of 2.5 rather than 2.39 plus a margin.
 # Replicated KV heads (a2a over 4 members, 2 KV heads): forward 1.88 since it frees the
 # head-sharded KV before the output's move home (2.10 before: the bound fails it), backward 3.21.
+# a2a+p2p's forward: 2.04 since its ring halves a call over most of its queries (2.20 before,
+# the partial as large as the accumulator beside it; the bound fails that).
 @pytest.mark.parametrize(
     "world,comm,groups,fwd,bwd,hkv",
     [
         (2, "p2p", None, 1.65, 2.95, 4),
         (2, "a2a", 1, 2.2, 2.95, 4),
         (2, "a2a", 4, 2.2, 2.5, 4),  # the goal
-        (4, "a2a+p2p", None, 2.45, 3.6, 4),
-        (4, "a2a+p2p", 2, 2.45, 3.05, 4),
+        (4, "a2a+p2p", None, 2.15, 3.6, 4),
+        (4, "a2a+p2p", 2, 2.15, 3.05, 4),
         (4, "p2p", 2, 1.85, 2.85, 4),
         (4, "a2a", 1, 1.95, 3.4, 2),  # replicated KV heads
     ],
