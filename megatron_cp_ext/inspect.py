@@ -34,7 +34,7 @@ from .schedules import build_plan
 from .schedules.a2a import A2APlan
 from .schedules.all_gather import GatherPlan
 from .schedules.heads import split_heads
-from .schedules.p2p_plan import P2PPlan
+from .schedules.p2p_plan import P2PPlan, use_split
 from .sharding import CPSharding
 
 __all__ = ["inspect_plan", "PlanReport", "RankReport", "CallReport", "StepReport"]
@@ -237,7 +237,10 @@ def _a2a_bytes(plan: A2APlan, hq: int, hkv: int, d: int, dv: int, es: int, token
     sent = {"forward": fwd_out + rs["forward"], "backward": bwd_out + rs["backward"]}
     recv = {"forward": fwd_in + rr["forward"], "backward": bwd_in + rr["backward"]}
     packed += len(plan.perm) if a > 1 else 0
-    calls = _call_reports(0, ring.own) + [c for st in ring.steps for c in _call_reports(st.slot, st.plan)]
+    # the forward's calls: a2a+p2p halves its ring's wide ones on large shards (``p2p_plan.split_wide``)
+    split = use_split(ring.counts[ring.rank], nq[me], dv, es)
+    fwd = [(st.slot, st.fwd if split and st.fwd is not None else st.plan) for st in ring.steps]
+    calls = _call_reports(0, ring.own) + [c for slot, p in fwd for c in _call_reports(slot, p)]
     base = rank - me  # CP rank = p2p index * a + a2a member
     steps = []
     if a > 1:

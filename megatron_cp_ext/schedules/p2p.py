@@ -26,7 +26,7 @@ from ..ops import gather_rows
 from ..plan import VarlenCall
 from .a2a_groups import RING_MIN_GROUP_BYTES
 from .common import KV, GradAcc, OutAcc, Run, acc_dtype, add_rows, step_backward, step_forward
-from .p2p_plan import P2PPlan, Rows, Step, build_plan, plan_narrow
+from .p2p_plan import P2PPlan, Rows, Step, build_plan, plan_narrow, use_split
 
 __all__ = ["P2PPlan", "build_plan", "prepare", "forward", "backward", "backward_packed"]
 
@@ -44,7 +44,8 @@ class _Slot:
     calls: list[VarlenCall]
     """Its calls with index tensors on the device."""
     fwd_calls: list[VarlenCall]
-    """The forward's calls (``calls`` unless the plan split some, :func:`.p2p_plan.split_wide`)."""
+    """The forward's calls where it splits wide ones (``calls`` unless the plan split some,
+    :func:`.p2p_plan.split_wide`; run where :func:`.p2p_plan.use_split` says so)."""
     send_idx: torch.Tensor | None
     """Gather index of the sent rows when they travel packed, else None (one view per span)."""
     recv_cuts: tuple[tuple[int, int], ...]
@@ -173,6 +174,7 @@ def forward(
     own, slots = KV(k, v, kv), walk.slots
     peers = Peers(run.group, _KV_TAG) if run.group is not None else None
     n = len(slots)
+    split = use_split(q.shape[0], q.shape[1], v.shape[-1], q.element_size())
     pending = _post(peers, own, slots[1]) if n > 1 else None
     views: dict = {}
     step_forward(walk.own, run, q, own, acc, views)
@@ -182,9 +184,10 @@ def forward(
         pending = nxt
         Peers.wait(batch)
         del batch
-        if buf is not None and slots[s].fwd_calls:
+        calls = (slots[s].fwd_calls if split else slots[s].calls) if slots[s] is not None else None
+        if buf is not None and calls:
             bufs, buf = [buf], None  # handed over: step_forward frees it after its last kernel call
-            step_forward(slots[s].fwd_calls, run, q, bufs, acc, views)
+            step_forward(calls, run, q, bufs, acc, views)
             del bufs
         del buf
     return acc.result()  # accumulator dtype: the caller adds any sink and rounds once

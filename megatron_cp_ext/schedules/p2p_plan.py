@@ -29,7 +29,8 @@ import torch
 from ..masks import MaskSpec
 from ..plan import Layout, StepPlan, VarlenCall, plan_steps, visible_rows
 
-__all__ = ["Rows", "Step", "P2PPlan", "CommRows", "Narrow", "build_plan", "plan_narrow", "split_wide", "MAX_MESSAGES"]
+__all__ = ["Rows", "Step", "P2PPlan", "CommRows", "Narrow", "build_plan", "plan_narrow", "split_wide", "use_split"]
+__all__ += ["MAX_MESSAGES"]
 
 MAX_MESSAGES = 8
 """Row ranges sent as separate messages (views); more fragmented selections are packed."""
@@ -255,6 +256,19 @@ def build_plan(segments: list[np.ndarray], rank: int, mask: MaskSpec) -> P2PPlan
 SPLIT_TILE = 128
 """Row multiple of a cut inside one entry (:func:`split_wide`), so no call gains a query tile."""
 
+SPLIT_MIN_BYTES = 4 << 20
+"""The forward runs :func:`split_wide`'s halves only where the local output (rows x query heads
+x v dim in the input dtype) is at least this large: below it the partial is small in absolute
+terms and a kernel call is short enough for the extra launch and merge to show (the rings'
+head groups use the same reasoning, ``a2a_groups.RING_MIN_GROUP_BYTES``). A judgement, not a
+measured knee; tests lower it to check the halves on small batches."""
+
+
+def use_split(rows: int, heads: int, dv: int, itemsize: int) -> bool:
+    """Whether a forward over ``rows`` local queries of ``heads`` heads runs the split calls
+    (:data:`SPLIT_MIN_BYTES`). A local choice: the ring's messages do not depend on it."""
+    return rows * heads * dv * itemsize >= SPLIT_MIN_BYTES
+
 
 def _halves(call: VarlenCall) -> tuple[np.ndarray, np.ndarray] | None:
     """``call``'s entries cut into two groups of about half its query rows each, or None.
@@ -298,7 +312,9 @@ def split_wide(plan: P2PPlan) -> None:
     over every local query it is as large as the accumulator. a2a+p2p's ring runs beside
     the head-sharded q and KV, so that partial sets its forward peak; halves cost one kernel
     call and one merge more per such step and lower that peak by half the accumulator's
-    size (0.2 of the ideal at 16/4 heads). Cuts inside an entry fall at tile multiples. The backward keeps ``plan``'s calls (a split there would add dK/dV sums)."""
+    size (0.2 of the ideal at 16/4 heads). Cuts inside an entry fall at tile multiples. The
+    backward keeps ``plan``'s calls (a split there would add dK/dV sums). Planned always; the
+    forward runs the halves where :func:`use_split` says so."""
     t = plan.counts[plan.rank]
     for st in plan.steps:
         calls, changed = [], False

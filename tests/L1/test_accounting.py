@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 import megatron_cp_ext as mcx
 from megatron_cp_ext import ops
-from megatron_cp_ext.schedules import a2a_groups, p2p
+from megatron_cp_ext.schedules import a2a_groups, p2p, p2p_plan
 from megatron_cp_ext.schedules.common import GradAcc, accumulate
 from megatron_cp_ext.testing.accounting import Tracker, add_storage, flash_stub, saved_bytes
 from megatron_cp_ext.testing.pool import run_on_ranks
@@ -80,16 +80,21 @@ def test_saved_for_backward_is_the_ideal(world, comm):
         assert cats <= (3 if (world, comm) == (4, "a2a") else 2)  # per layer, none per varlen call
 
 
+_SPLIT_MIN_BYTES = p2p_plan.SPLIT_MIN_BYTES
+
+
 def _peak_worker(rank, world, comm, groups=None, hkv=4):
     """Forward and backward peaks over the ideal, as ``benchmarks/memory_launches.py`` counts;
     ``groups``: the a2a backward's head groups (forced: this batch is below the size rule's
     threshold; for a2a+p2p a ring per group); ``hkv``: KV heads (fewer than a2a members:
     replicated)."""
     a2a_groups.GROUPS = p2p.GROUPS = groups
+    p2p_plan.SPLIT_MIN_BYTES = 0  # a2a+p2p's forward halves its wide ring calls at this size too
     try:
         return _peaks(rank, world, comm, hkv)
     finally:
         a2a_groups.GROUPS = p2p.GROUPS = None
+        p2p_plan.SPLIT_MIN_BYTES = _SPLIT_MIN_BYTES
 
 
 def _peaks(rank, world, comm, hkv):

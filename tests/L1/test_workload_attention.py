@@ -5,6 +5,7 @@ their tokens are placed by the data loader, not by us)."""
 
 import pytest
 
+from megatron_cp_ext.schedules import p2p_plan
 from megatron_cp_ext.testing.cases import AttnCase, check_case, run_case
 from megatron_cp_ext.testing.pool import run_on_ranks
 
@@ -43,3 +44,20 @@ def test_workload_bf16(comm):
     case = AttnCase(seqlens=SEQLENS, comm_type=comm, balance="workload", dtype="bfloat16", hkv=2,
                     a2a_size=2 if comm == "a2a+p2p" else 0)  # fmt: skip
     check_case(run_on_ranks(4, run_case, case), case)
+
+
+def _split_case(rank: int, world: int, case: AttnCase) -> dict:
+    """``run_case`` with a2a+p2p's forward running its halved wide calls at this small size."""
+    floor, p2p_plan.SPLIT_MIN_BYTES = p2p_plan.SPLIT_MIN_BYTES, 0
+    try:
+        return run_case(rank, world, case)
+    finally:
+        p2p_plan.SPLIT_MIN_BYTES = floor
+
+
+@pytest.mark.parametrize("mask", ["causal", "nomask", "left64", "chunk100"])
+def test_a2a_p2p_halved_forward_calls_match_dense(mask):
+    """The ring calls a2a+p2p's forward halves (``p2p_plan.split_wide``; on this batch cut
+    inside a document under causal and no mask) give the dense result, forward and backward."""
+    case = AttnCase(seqlens=SEQLENS, comm_type="a2a+p2p", balance="workload", a2a_size=2, hkv=2, **MASKS[mask])
+    check_case(run_on_ranks(4, _split_case, case), case)
