@@ -27,6 +27,15 @@ row tiles: a unit cut into pieces of lengths ``l_i`` occupies ``sum(ceil(l_i / 1
 Where the pick then misses the tile goal by a little, the tile step
 (:func:`refine`) counts exact per-rank tile areas and may trade the estimate's
 pick for one with a shorter largest rank (:mod:`.tile_pick`).
+
+Under a sliding window or chunks, balancing *work* exactly can cost the step more than it
+saves: on a few long documents the cheap positions (a window's first keys, each chunk's
+start) are dealt out to every rank as a small extra piece, whose keys lie on many ranks, so
+each rank runs a call per ring step over ragged pieces (65 calls per layer at cp 64 against
+2 for the contiguous split, and a largest rank with up to 3x the tile area). The reference
+step (:func:`shorter_reference`, for every batch size) compares the pick with the
+contiguous and dual-chunk splits by what the kernels and the ring pay and keeps a reference
+where it is shorter on all of it while it meets the work goal.
 """
 
 from __future__ import annotations
@@ -37,10 +46,11 @@ import numpy as np
 
 from .geometry import TILE, bounds, chunk_units, tile_area, work_prefix
 from .masks import MaskSpec
-from .tile_pick import ESTIMATE_HIGH, GOAL, GOAL_OF_ONE, LOOSE, MAX_RANKS, REACH, rank_tiles
+from .tile_pick import ESTIMATE_HIGH, GOAL, GOAL_OF_ONE, LOOSE, MAX_RANKS, REACH, rank_paths, rank_tiles
 from .workload import TOLERANCE, Step, workload_segments
 
-__all__ = ["pick", "rank_work", "tile_estimate", "Search", "SEARCH_TOKENS", "TILE_STEP"]
+__all__ = ["pick", "rank_work", "tile_estimate", "Search", "SEARCH_TOKENS", "TILE_STEP", "PATH_STEP"]
+__all__ += ["shorter_reference"]
 
 SEARCH_TOKENS = 1 << 18
 """Batches of at most this many tokens get the candidate search (a few milliseconds each);
@@ -52,6 +62,17 @@ WORK_SLACK = 5e-4
 balanced as it: about one token's share of a rank's work at a few hundred tokens per rank."""
 TILE_STEP = True
 """Whether :func:`pick` ends with the exact tile step (off: the estimates' pick alone)."""
+PATH_STEP = True
+"""Whether :func:`pick` ends with the reference step (:func:`shorter_reference`)."""
+PATH_GAIN = 0.97
+"""A reference split replaces the pick only where its largest rank's tile area is at most
+this share of the pick's: the area counts a partly masked tile as a full one, so a few
+percent are left to what it does not see (a judgement, not a measured knee)."""
+PATH_PAIRS = 1 << 16
+"""The reference step runs where the references' pieces pair up at most this many times
+(documents x pieces per document squared, summed over both references): few long documents,
+the batches it is for; its exact count grows with that product (about 10 ms at cp 64 on one
+document)."""
 TOLERANCES = (TOLERANCE, 0.0, 3 * TOLERANCE)
 """Work misses the stream's candidates accept for tile-aligned cuts (the first is the default)."""
 
@@ -207,7 +228,13 @@ class Search:
         return min((tiles[i], imb[i], i) for i in ok)[2]
 
 
-def pick(lens: np.ndarray, counts: list[int], mask: MaskSpec, dualchunk: Callable[[], Segs]) -> Segs:
+def pick(
+    lens: np.ndarray,
+    counts: list[int],
+    mask: MaskSpec,
+    dualchunk: Callable[[], Segs],
+    contiguous: Callable[[], Segs] | None = None,
+) -> Segs:
     """Per rank segments: the default workload stream, or on small batches the best candidate.
 
     The stream and the dual-chunk split are scored first (one pass and a few vectorised sums);
@@ -217,12 +244,57 @@ def pick(lens: np.ndarray, counts: list[int], mask: MaskSpec, dualchunk: Callabl
     inadmissible (they could not be picked); the reversed pass is skipped where the counts
     read the same both ways (it would be the first pass's ranks reversed: the same scores,
     never picked before the first). Where the pick then misses the tile goal, the tile step
-    (:func:`refine`, when :data:`TILE_STEP`) compares exact tile areas."""
-    if not counts or sum(counts) > SEARCH_TOKENS:
+    (:func:`refine`, when :data:`TILE_STEP`) compares exact tile areas. Last, on every batch,
+    the reference step (:func:`shorter_reference`, when :data:`PATH_STEP` and ``contiguous``
+    is given): ``dualchunk`` is the mask's even-work reference split, ``contiguous`` the
+    contiguous one."""
+    if not counts:
         return workload_segments(lens, counts, mask)
-    search = Search(lens, counts, mask, dualchunk)
-    chosen = search.choose()
-    return refine(search, chosen) if TILE_STEP else search.cands[chosen]
+    if sum(counts) > SEARCH_TOKENS:
+        segs = workload_segments(lens, counts, mask)
+    else:
+        search = Search(lens, counts, mask, dualchunk)
+        chosen = search.choose()
+        segs = refine(search, chosen) if TILE_STEP else search.cands[chosen]
+    if PATH_STEP and contiguous is not None:
+        segs = shorter_reference(lens, mask, segs, (dualchunk, contiguous))
+    return segs
+
+
+def shorter_reference(lens: np.ndarray, mask: MaskSpec, segs: Segs, refs: tuple[Callable[[], Segs], ...]) -> Segs:
+    """``segs``, or the reference split (``refs``: the dual-chunk one first, then others) whose
+    ``p2p`` layer is shorter on every count a sharding decides.
+
+    Only under a sliding window or chunks (where the cheap positions are few and a rank's
+    work is flat in between: the contiguous split is balanced there up to the window's first
+    keys), and only on few long documents (:data:`PATH_PAIRS`). A reference is admissible
+    where its work max/mean meets the goal (:data:`WORK_BOUND`) and is no more than
+    :data:`WORK_SLACK` above dual-chunk's — the balance's own promises. It wins where its
+    largest rank's exact tile area is at most :data:`PATH_GAIN` of the pick's and its
+    largest rank's ring steps, sent rows and received rows are not more (:func:`.tile_pick.rank_paths`):
+    tokens are equal either way, so the layer's critical path is then shorter."""
+    if mask.left < 0 and mask.chunk is None:
+        return segs
+    cp = len(segs)
+    docs = int(np.count_nonzero(lens))
+    if docs * 5 * cp * cp > PATH_PAIRS:  # contiguous: cp pieces per document, dual-chunk: 2 cp
+        return segs
+    work = rank_work(lens, segs, mask)
+    mean = max(work.mean(), 1e-30)
+    cands = [f() for f in refs]
+    imb = [rank_work(lens, c, mask).max() / mean for c in cands]
+    bound = min(WORK_BOUND, imb[0] + WORK_SLACK)
+    ok = [c for c, i in zip(cands, imb, strict=True) if i <= bound]
+    if not ok:
+        return segs
+    paths = rank_paths([segs, *ok], mask)
+    top = [x.max(axis=1) for x in paths]  # per candidate: its largest rank's area, steps, rows
+    best = None
+    for k in range(1, len(ok) + 1):
+        shorter = top[0][k] <= PATH_GAIN * top[0][0] and all(x[k] <= x[0] for x in top[1:])
+        if shorter and (best is None or (top[0][k], top[1][k]) < (top[0][best], top[1][best])):
+            best = k
+    return segs if best is None else ok[best - 1]
 
 
 def refine(search: Search, chosen: int) -> Segs:

@@ -366,7 +366,10 @@ def shard_sequences(
         from .balance_pick import pick
 
         counts = rank_counts(cu[-1], cp_size, token_multiple)
-        per_rank = pick(lens, counts, mask, lambda: _even_work(lens, cp_size, token_multiple, mask))
+        per_rank = pick(
+            lens, counts, mask,
+            lambda: _even_work(lens, cp_size, token_multiple, mask), lambda: _contiguous(lens, cp_size, token_multiple),
+        )  # fmt: skip
         return CPSharding._of(cu, per_rank, balance, token_multiple)
     if balance == "dualchunk":
         per_rank = _dualchunk(lens, cp_size, token_multiple)

@@ -19,13 +19,15 @@ The pick itself stays a candidate, so no rank's critical path can grow.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from .geometry import tile_area
 from .masks import MaskSpec
 from .plan.calls import Layout, _entries, _pieces, visible_rows
 
-__all__ = ["rank_tiles", "GOAL", "GOAL_OF_ONE", "LOOSE", "MAX_RANKS", "REACH"]
+__all__ = ["rank_tiles", "rank_paths", "Paths", "GOAL", "GOAL_OF_ONE", "LOOSE", "MAX_RANKS", "REACH"]
 
 GOAL = 0.90
 """Tile efficiency (useful score entries over visited tile area) the goal asks for."""
@@ -49,8 +51,28 @@ may lie (at most 1.33 on the balance families): above that, the exact count is s
 Segs = list[np.ndarray]
 
 
+class Paths(NamedTuple):
+    """Per candidate and rank (each ``[len(cands), cp]``), what a rank's ``p2p`` layer pays:
+    the terms of its critical path that a sharding decides."""
+
+    area: np.ndarray
+    """Exact tile area (per head) its calls visit."""
+    steps: np.ndarray
+    """Ring steps with at least one call, its own block included (a step's calls share one
+    received buffer: fewer steps, fewer launches and merges)."""
+    sent: np.ndarray
+    """KV rows it sends (exactly the rows its peers' queries see)."""
+    received: np.ndarray
+    """KV rows it receives."""
+
+
 def rank_tiles(cands: list[Segs], mask: MaskSpec) -> np.ndarray:
-    """``[len(cands), cp]`` exact tile area (per head) each rank's ``p2p`` calls visit.
+    """``[len(cands), cp]`` exact tile area (per head) each rank's ``p2p`` calls visit."""
+    return rank_paths(cands, mask).area
+
+
+def rank_paths(cands: list[Segs], mask: MaskSpec) -> Paths:
+    """:class:`Paths` of every rank of every candidate, counted as the ``p2p`` plans count them.
 
     Every (candidate, rank) is one viewer ``g``: its sequences are renamed ``seq * G + g``
     so that the planner's joins only pair a viewer's queries with its own buffers, and its
@@ -100,4 +122,6 @@ def rank_tiles(cands: list[Segs], mask: MaskSpec) -> np.ndarray:
     )  # fmt: skip
     buf, q0, q1, k0, k1, left, right = _entries(_pieces(queries, mask.chunk), _pieces(keys, mask.chunk), mask)
     area = tile_area(q1 - q0, k1 - k0, left, right)
-    return np.bincount(buf // n, weights=area, minlength=views).astype(np.int64).reshape(len(cands), n)
+    per = lambda who, w=None: np.bincount(who, weights=w, minlength=views).astype(np.int64).reshape(len(cands), n)  # noqa: E731
+    # buffers are numbered viewer * cp + step: one per step a viewer computes on
+    return Paths(per(buf // n, area), per(np.unique(buf) // n), per(owner[j], got), per(g[r], got))

@@ -143,12 +143,17 @@ def test_workload_balances_work_at_equal_tokens(mask):
 
 
 def test_workload_work_on_one_long_document():
+    """Within 0.3 % under causal and full masks; under windows and chunks within the goal and
+    dual-chunk's bound (there the contiguous split, a little less even, can be the pick: its
+    critical path is shorter, tests/L0/test_tile_pick.py)."""
     lens = [100_000]
-    for mask in MASKS.values():
+    for name, mask in MASKS.items():
         per_query = _query_work(lens, mask)
         for cp in (2, 8, 32):
             w = _rank_work(mcx.shard_sequences(cu_seqlens(lens), cp, **mask), per_query)
-            assert w.max() / w.mean() <= 1.003
+            d = _rank_work(mcx.shard_sequences(cu_seqlens(lens), cp, "dualchunk", **mask), per_query)
+            bound = 1.003 if name in ("causal", "nomask") else min(1.03, d.max() / d.mean() + 5e-4)
+            assert w.max() / w.mean() <= bound, (name, cp)
 
 
 def test_workload_full_mask_short_documents_gather_nothing():

@@ -4,12 +4,13 @@ rank's tiles (the kernels' critical path), within the work bounds."""
 
 import numpy as np
 import pytest
+import torch
 
 import megatron_cp_ext as mcx
 from megatron_cp_ext import balance_pick
 from megatron_cp_ext.batches import cu_seqlens, lognormal
 from megatron_cp_ext.masks import MaskSpec
-from megatron_cp_ext.tile_pick import GOAL, GOAL_OF_ONE, rank_tiles
+from megatron_cp_ext.tile_pick import GOAL, GOAL_OF_ONE, rank_paths, rank_tiles
 
 MASKS = {
     "causal": dict(causal=True),
@@ -61,3 +62,75 @@ def test_tile_step_shortens_the_critical_path(total, cp, median, sigma, seed, wi
     assert _planned_tiles(new, kw).max() < _planned_tiles(old, kw).max()
     assert rep_new.work_imbalance <= balance_pick.WORK_BOUND
     assert new.counts() == old.counts()
+
+
+def _paths(shs: list[mcx.CPSharding], kw: dict):
+    return rank_paths([[sh.rank_segments(r) for r in range(sh.cp_size)] for sh in shs], MaskSpec.make(**kw))
+
+
+def test_rank_paths_are_the_planned_steps_and_rows():
+    """Ring steps with calls, rows sent and received per rank: as the p2p plans have them."""
+    cases = [([1361, 261, 841, 3056, 342, 44], 4, dict(causal=True, window_size=(300, -1))),
+             ([20000], 8, dict(causal=True, chunk_size=1500)), ([9000, 40], 5, dict(causal=False))]  # fmt: skip
+    for lens, cp, kw in cases:
+        cu = cu_seqlens(lens)
+        shs = [mcx.shard_sequences(cu, cp, b, **kw) for b in mcx.BALANCES]
+        paths = _paths(shs, kw)
+        for i, sh in enumerate(shs):
+            rep = mcx.inspect_plan(sh, "p2p", num_heads=1, num_kv_heads=1, head_dim=8, dtype=torch.float32, **kw)
+            for r, rr in rep.ranks.items():
+                assert paths.steps[i, r] == len({c.step for c in rr.calls}), (lens, sh.balance, r)
+                assert paths.sent[i, r] * rep.kv_row_bytes == rr.bytes_sent["forward"], (lens, sh.balance, r)
+                assert paths.received[i, r] * rep.kv_row_bytes == rr.bytes_received["forward"], (lens, sh.balance, r)
+
+
+@pytest.mark.parametrize(
+    "total, cp, kw",
+    [(48495, 64, dict(window_size=(2048, -1))), (1 << 20, 64, dict(window_size=(4096, -1))),
+     (222593, 64, dict(window_size=(1024, -1))), (56759, 32, dict(window_size=(3000, -1)))],
+)  # fmt: skip
+def test_reference_step_on_one_long_document(total, cp, kw, monkeypatch):
+    """One long document under a sliding window (above and below the search's size): the
+    work-exact stream deals the window's first positions out to every rank as a small extra
+    piece, a ring step per rank each; the reference step keeps the contiguous split there,
+    within the work goal, with a much shorter largest rank and a step or two per rank."""
+    kw = dict(causal=True, **kw)
+    cu = [0, total]
+    new = mcx.shard_sequences(cu, cp, **kw)
+    monkeypatch.setattr(balance_pick, "PATH_STEP", False)
+    old = mcx.shard_sequences(cu, cp, **kw)
+    dual = mcx.inspect_plan(mcx.shard_sequences(cu, cp, "dualchunk", **kw), "p2p", **kw)
+    paths = _paths([old, new], kw)
+    assert paths.area[1].max() <= 0.95 * paths.area[0].max()
+    assert paths.steps[1].max() <= 4 < paths.steps[0].max()
+    assert paths.sent[1].max() <= paths.sent[0].max() and paths.received[1].max() <= paths.received[0].max()
+    work = mcx.inspect_plan(new, "p2p", **kw).work_imbalance
+    assert work <= min(balance_pick.WORK_BOUND, dual.work_imbalance + balance_pick.WORK_SLACK) + 1e-12
+
+
+def test_reference_step_never_lengthens_the_critical_path(monkeypatch):
+    """Random batches of one to three long documents under windows and chunks: with the step
+    the largest rank's tile area, ring steps and rows are never more than without it, and the
+    work stays within the goal and dual-chunk's bound; on some of them it changes the pick."""
+    rng = np.random.default_rng(3)  # also drawn so that dropping the steps and rows checks fails
+    changed = 0
+    for _ in range(12):
+        total, cp, docs = int(2 ** rng.uniform(14, 18)), int(2 ** rng.integers(2, 7)), int(rng.integers(1, 4))
+        cuts = np.sort(rng.choice(np.arange(1, total), size=docs - 1, replace=False)).tolist()
+        cu = [0, *cuts, total]
+        kw = dict(
+            causal=True,
+            **rng.choice([dict(window_size=(1024, -1)), dict(window_size=(4096, -1)), dict(chunk_size=2048)]),
+        )
+        monkeypatch.setattr(balance_pick, "PATH_STEP", True)
+        new = mcx.shard_sequences(cu, cp, **kw)
+        monkeypatch.setattr(balance_pick, "PATH_STEP", False)
+        old = mcx.shard_sequences(cu, cp, **kw)
+        dual = mcx.inspect_plan(mcx.shard_sequences(cu, cp, "dualchunk", **kw), "p2p", **kw).work_imbalance
+        paths = _paths([old, new], kw)
+        for x in paths:
+            assert x[1].max() <= x[0].max(), (cu, cp, kw)
+        work = mcx.inspect_plan(new, "p2p", **kw).work_imbalance
+        assert work <= min(balance_pick.WORK_BOUND, dual + balance_pick.WORK_SLACK) + 1e-12, (cu, cp, kw)
+        changed += not all(np.array_equal(new.rank_segments(r), old.rank_segments(r)) for r in range(cp))
+    assert changed >= 2
