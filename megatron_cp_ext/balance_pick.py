@@ -33,14 +33,15 @@ saves: on a few long documents the cheap positions (a window's first keys, each 
 start) are dealt out to every rank as a small extra piece, whose keys lie on many ranks, so
 each rank runs a call per ring step over ragged pieces (65 calls per layer at cp 64 against
 2 for the contiguous split, and a largest rank with up to 3x the tile area). The reference
-step (:func:`shorter_reference`, for every batch size) compares the pick with the
-contiguous and dual-chunk splits by what the kernels and the ring pay and keeps a reference
-where it is shorter on all of it while it meets the work goal.
+step (:func:`shorter_reference`, for every batch size) compares the pick with plain splits
+(in packed order, contiguous, dual-chunk) by what the kernels and the ring pay and keeps a
+reference where it is no longer on any of it, and shorter, while it meets the work goal.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 
@@ -50,7 +51,7 @@ from .tile_pick import ESTIMATE_HIGH, GOAL, GOAL_OF_ONE, LOOSE, MAX_RANKS, REACH
 from .workload import TOLERANCE, Step, workload_segments
 
 __all__ = ["pick", "rank_work", "tile_estimate", "Search", "SEARCH_TOKENS", "TILE_STEP", "PATH_STEP"]
-__all__ += ["shorter_reference"]
+__all__ += ["shorter_reference", "References"]
 
 SEARCH_TOKENS = 1 << 18
 """Batches of at most this many tokens get the candidate search (a few milliseconds each);
@@ -68,11 +69,14 @@ PATH_GAIN = 0.97
 """A reference split replaces the pick only where its largest rank's tile area is at most
 this share of the pick's: the area counts a partly masked tile as a full one, so a few
 percent are left to what it does not see (a judgement, not a measured knee)."""
+PATH_PIECES = 1 << 15
+"""The reference step runs where dual-chunk's split has at most this many pieces (documents x
+2·cp): its work, the step's bound, is then scored in a few milliseconds."""
 PATH_PAIRS = 1 << 16
-"""The reference step runs where the references' pieces pair up at most this many times
-(documents x pieces per document squared, summed over both references): few long documents,
-the batches it is for; its exact count grows with that product (about 10 ms at cp 64 on one
-document)."""
+"""The contiguous and dual-chunk references are counted exactly where their pieces pair up at
+most this many times (documents x pieces per document squared): the count grows with that
+product (about 10 ms for both at cp 64 on one document); the in-order split, a piece or two
+per rank, is always counted."""
 TOLERANCES = (TOLERANCE, 0.0, 3 * TOLERANCE)
 """Work misses the stream's candidates accept for tile-aligned cuts (the first is the default)."""
 
@@ -229,11 +233,7 @@ class Search:
 
 
 def pick(
-    lens: np.ndarray,
-    counts: list[int],
-    mask: MaskSpec,
-    dualchunk: Callable[[], Segs],
-    contiguous: Callable[[], Segs] | None = None,
+    lens: np.ndarray, counts: list[int], mask: MaskSpec, dualchunk: Callable[[], Segs], refs: References | None = None
 ) -> Segs:
     """Per rank segments: the default workload stream, or on small batches the best candidate.
 
@@ -245,9 +245,8 @@ def pick(
     read the same both ways (it would be the first pass's ranks reversed: the same scores,
     never picked before the first). Where the pick then misses the tile goal, the tile step
     (:func:`refine`, when :data:`TILE_STEP`) compares exact tile areas. Last, on every batch,
-    the reference step (:func:`shorter_reference`, when :data:`PATH_STEP` and ``contiguous``
-    is given): ``dualchunk`` is the mask's even-work reference split, ``contiguous`` the
-    contiguous one."""
+    the reference step (:func:`shorter_reference`, when :data:`PATH_STEP` and ``refs`` are
+    given). ``dualchunk`` is the mask's even-work reference split (the search's candidate)."""
     if not counts:
         return workload_segments(lens, counts, mask)
     if sum(counts) > SEARCH_TOKENS:
@@ -256,43 +255,63 @@ def pick(
         search = Search(lens, counts, mask, dualchunk)
         chosen = search.choose()
         segs = refine(search, chosen) if TILE_STEP else search.cands[chosen]
-    if PATH_STEP and contiguous is not None:
-        segs = shorter_reference(lens, mask, segs, (dualchunk, contiguous))
+    if PATH_STEP and refs is not None:
+        segs = shorter_reference(lens, counts, mask, segs, refs)
     return segs
 
 
-def shorter_reference(lens: np.ndarray, mask: MaskSpec, segs: Segs, refs: tuple[Callable[[], Segs], ...]) -> Segs:
-    """``segs``, or the reference split (``refs``: the dual-chunk one first, then others) whose
-    ``p2p`` layer is shorter on every count a sharding decides.
+class References(NamedTuple):
+    """The plain splits :func:`shorter_reference` weighs a pick against, each built only where
+    the step needs it."""
 
-    Only under a sliding window or chunks (where the cheap positions are few and a rank's
-    work is flat in between: the contiguous split is balanced there up to the window's first
-    keys), and only on few long documents (:data:`PATH_PAIRS`). A reference is admissible
-    where its work max/mean meets the goal (:data:`WORK_BOUND`) and is no more than
-    :data:`WORK_SLACK` above dual-chunk's — the balance's own promises. It wins where its
-    largest rank's exact tile area is at most :data:`PATH_GAIN` of the pick's and its
-    largest rank's ring steps, sent rows and received rows are not more (:func:`.tile_pick.rank_paths`):
-    tokens are equal either way, so the layer's critical path is then shorter."""
+    dualchunk: Callable[[], Segs]
+    """Every sequence in 2·cp chunks (``balance="dualchunk"``): the work bound's reference."""
+    contiguous: Callable[[], Segs]
+    """Slice r of every sequence (``balance="contiguous"``)."""
+    in_order: Callable[[], Segs]
+    """The batch cut in its packed order: rank r the ``counts[r]`` tokens after rank r - 1's."""
+
+
+def shorter_reference(lens: np.ndarray, counts: list[int], mask: MaskSpec, segs: Segs, refs: References) -> Segs:
+    """``segs``, or the reference split whose ``p2p`` layer is no longer on any count a
+    sharding decides and shorter on the main ones.
+
+    Only under a sliding window or chunks (the cheap positions are few there and a rank's work
+    is flat in between, so plain splits are balanced up to the window's first keys), only
+    where a document spans ranks, and only where dual-chunk's pieces are few enough to score
+    (:data:`PATH_PIECES`). The references are the in-order split and, where their pieces pair
+    up few times (:data:`PATH_PAIRS`), the contiguous and dual-chunk ones. A reference is
+    admissible where its work max/mean meets the goal (:data:`WORK_BOUND`) and is no more
+    than :data:`WORK_SLACK` above dual-chunk's — the balance's own promises. It wins where its
+    largest rank's exact tile area, ring steps, sent rows and received rows
+    (:func:`.tile_pick.rank_paths`) are none of them more than the pick's, and its area is at
+    most :data:`PATH_GAIN` of the pick's or its steps fewer: tokens are equal either way, so
+    the layer's critical path is then shorter. The shortest winner is kept (area, then steps,
+    then rows)."""
     if mask.left < 0 and mask.chunk is None:
         return segs
-    cp = len(segs)
-    docs = int(np.count_nonzero(lens))
-    if docs * 5 * cp * cp > PATH_PAIRS:  # contiguous: cp pieces per document, dual-chunk: 2 cp
+    cp, docs = len(counts), int(np.count_nonzero(lens))
+    if lens.max(initial=0) <= max(counts) or docs * 2 * cp > PATH_PIECES:
         return segs
     work = rank_work(lens, segs, mask)
     mean = max(work.mean(), 1e-30)
-    cands = [f() for f in refs]
-    imb = [rank_work(lens, c, mask).max() / mean for c in cands]
-    bound = min(WORK_BOUND, imb[0] + WORK_SLACK)
-    ok = [c for c, i in zip(cands, imb, strict=True) if i <= bound]
+    dual = refs.dualchunk()
+    imb_dual = rank_work(lens, dual, mask).max() / mean
+    bound = min(WORK_BOUND, imb_dual + WORK_SLACK)
+    cands = [(refs.in_order(), None)]
+    if docs * cp * cp <= PATH_PAIRS:
+        cands.append((refs.contiguous(), None))
+    if docs * 4 * cp * cp <= PATH_PAIRS:
+        cands.append((dual, imb_dual))
+    ok = [c for c, imb in cands if (rank_work(lens, c, mask).max() / mean if imb is None else imb) <= bound]
     if not ok:
         return segs
-    paths = rank_paths([segs, *ok], mask)
-    top = [x.max(axis=1) for x in paths]  # per candidate: its largest rank's area, steps, rows
+    top = [x.max(axis=1) for x in rank_paths([segs, *ok], mask)]  # largest rank's area, steps, rows
     best = None
     for k in range(1, len(ok) + 1):
-        shorter = top[0][k] <= PATH_GAIN * top[0][0] and all(x[k] <= x[0] for x in top[1:])
-        if shorter and (best is None or (top[0][k], top[1][k]) < (top[0][best], top[1][best])):
+        no_more = all(x[k] <= x[0] for x in top)
+        shorter = top[0][k] <= PATH_GAIN * top[0][0] or top[1][k] < top[1][0]
+        if no_more and shorter and (best is None or [x[k] for x in top] < [x[best] for x in top]):
             best = k
     return segs if best is None else ok[best - 1]
 

@@ -308,6 +308,20 @@ def _contiguous(lens: np.ndarray, cp: int, m: int) -> list[np.ndarray]:
     return [_take(cuts, r) for r in range(cp)]
 
 
+def _in_order(lens: np.ndarray, counts: list[int]) -> list[np.ndarray]:
+    """Per rank segments of the batch cut in its packed order: rank r holds the ``counts[r]``
+    tokens that follow rank r - 1's (whole documents, and at most two cut ones)."""
+    cu = np.concatenate([[0], np.cumsum(lens)])
+    edges = np.concatenate([[0], np.cumsum(counts)])
+    out = []
+    for a, b in zip(edges[:-1], edges[1:], strict=True):
+        seq = np.arange(np.searchsorted(cu, a, "right") - 1, np.searchsorted(cu, b, "left"), dtype=np.int64)
+        s, e = np.maximum(a, cu[seq]) - cu[seq], np.minimum(b, cu[seq + 1]) - cu[seq]
+        keep = e > s
+        out.append(np.stack([seq[keep], s[keep], e[keep]], axis=1).reshape(-1, 3))
+    return out
+
+
 def _even_work(lens: np.ndarray, cp: int, m: int, mask: MaskSpec) -> list[np.ndarray]:
     """The split whose per-rank work is even by construction, ``workload``'s reference.
 
@@ -363,13 +377,15 @@ def shard_sequences(
         seq = np.nonzero(lens)[0]
         return CPSharding._of(cu, [np.stack([seq, seq * 0, lens[seq]], axis=1)], balance, token_multiple)
     if balance == "workload":
-        from .balance_pick import pick
+        from .balance_pick import References, pick
 
         counts = rank_counts(cu[-1], cp_size, token_multiple)
-        per_rank = pick(
-            lens, counts, mask,
-            lambda: _even_work(lens, cp_size, token_multiple, mask), lambda: _contiguous(lens, cp_size, token_multiple),
-        )  # fmt: skip
+        refs = References(
+            dualchunk=lambda: _dualchunk(lens, cp_size, token_multiple),
+            contiguous=lambda: _contiguous(lens, cp_size, token_multiple),
+            in_order=lambda: _in_order(lens, counts),
+        )
+        per_rank = pick(lens, counts, mask, lambda: _even_work(lens, cp_size, token_multiple, mask), refs)
         return CPSharding._of(cu, per_rank, balance, token_multiple)
     if balance == "dualchunk":
         per_rank = _dualchunk(lens, cp_size, token_multiple)

@@ -85,23 +85,26 @@ def test_rank_paths_are_the_planned_steps_and_rows():
 
 
 @pytest.mark.parametrize(
-    "total, cp, kw",
-    [(48495, 64, dict(window_size=(2048, -1))), (1 << 20, 64, dict(window_size=(4096, -1))),
-     (222593, 64, dict(window_size=(1024, -1))), (56759, 32, dict(window_size=(3000, -1)))],
+    "lens, cp, kw",
+    [([48495], 64, dict(window_size=(2048, -1))), ([1 << 20], 64, dict(window_size=(4096, -1))),
+     ([222593], 64, dict(window_size=(1024, -1))), ([56759], 32, dict(window_size=(3000, -1))),
+     ([65536] * 4, 64, dict(window_size=(2048, -1))), ([20000] * 20, 32, dict(window_size=(1024, -1)))],
 )  # fmt: skip
-def test_reference_step_on_one_long_document(total, cp, kw, monkeypatch):
-    """One long document under a sliding window (above and below the search's size): the
+def test_reference_step_on_long_documents(lens, cp, kw, monkeypatch):
+    """Long documents under a sliding window (above and below the search's size): the
     work-exact stream deals the window's first positions out to every rank as a small extra
-    piece, a ring step per rank each; the reference step keeps the contiguous split there,
-    within the work goal, with a much shorter largest rank and a step or two per rank."""
+    piece, a ring step per peer each; the reference step keeps a plain split there (one
+    document: the contiguous one; several: the packed order), within the work goal, with a
+    shorter largest rank and a step or two per rank."""
     kw = dict(causal=True, **kw)
-    cu = [0, total]
+    cu = cu_seqlens(lens)
     new = mcx.shard_sequences(cu, cp, **kw)
     monkeypatch.setattr(balance_pick, "PATH_STEP", False)
     old = mcx.shard_sequences(cu, cp, **kw)
     dual = mcx.inspect_plan(mcx.shard_sequences(cu, cp, "dualchunk", **kw), "p2p", **kw)
     paths = _paths([old, new], kw)
-    assert paths.area[1].max() <= 0.95 * paths.area[0].max()
+    assert paths.area[1].max() <= paths.area[0].max()
+    assert paths.area[1].max() <= 0.95 * paths.area[0].max() or len(lens) > 1
     assert paths.steps[1].max() <= 4 < paths.steps[0].max()
     assert paths.sent[1].max() <= paths.sent[0].max() and paths.received[1].max() <= paths.received[0].max()
     work = mcx.inspect_plan(new, "p2p", **kw).work_imbalance
@@ -134,3 +137,20 @@ def test_reference_step_never_lengthens_the_critical_path(monkeypatch):
         assert work <= min(balance_pick.WORK_BOUND, dual + balance_pick.WORK_SLACK) + 1e-12, (cu, cp, kw)
         changed += not all(np.array_equal(new.rank_segments(r), old.rank_segments(r)) for r in range(cp))
     assert changed >= 2
+
+
+def test_in_order_split_is_the_packed_order():
+    """The in-order reference: rank r holds exactly ``counts[r]`` tokens, the ones after rank
+    r - 1's, documents of length 0 and 1 included."""
+    from megatron_cp_ext.sharding import _in_order, rank_counts
+
+    rng = np.random.default_rng(0)
+    for _ in range(30):
+        lens = rng.choice([0, 1, 2, 7, 130, 1000], size=int(rng.integers(1, 9)))
+        cp, m = int(rng.integers(1, 9)), int(rng.choice([1, 2, 8]))
+        counts = rank_counts(int(lens.sum()), cp, m)
+        segs = _in_order(lens, counts)
+        cu = np.concatenate([[0], np.cumsum(lens)])
+        flat = [cu[q] + i for s in segs for q, a, b in s for i in range(a, b)]
+        assert flat == list(range(int(lens.sum()))), (lens, cp, m)
+        assert [int((s[:, 2] - s[:, 1]).sum()) for s in segs] == counts

@@ -61,3 +61,20 @@ def test_a2a_p2p_halved_forward_calls_match_dense(mask):
     inside a document under causal and no mask) give the dense result, forward and backward."""
     case = AttnCase(seqlens=SEQLENS, comm_type="a2a+p2p", balance="workload", a2a_size=2, hkv=2, **MASKS[mask])
     check_case(run_on_ranks(4, _split_case, case), case)
+
+
+@pytest.mark.parametrize("mask, world", [("bidir-50-30", 2), ("chunk256-left40", 4)])
+def test_grid_exercises_the_reference_step(mask, world, monkeypatch):
+    """Two cells of the grid above run a plain split that the reference step keeps for its
+    shorter critical path (``balance_pick.shorter_reference``: the contiguous split, the
+    packed order), so its shardings are checked against the dense reference too."""
+    import numpy as np
+
+    import megatron_cp_ext as mcx
+    from megatron_cp_ext import balance_pick
+
+    cu = np.concatenate([[0], np.cumsum(SEQLENS)]).tolist()
+    new = mcx.shard_sequences(cu, world, **MASKS[mask])
+    monkeypatch.setattr(balance_pick, "PATH_STEP", False)
+    old = mcx.shard_sequences(cu, world, **MASKS[mask])
+    assert any(not np.array_equal(new.rank_segments(r), old.rank_segments(r)) for r in range(world))
