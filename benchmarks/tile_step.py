@@ -18,6 +18,9 @@ ring steps and rows sent after over before (median / worst); and the median and 
 which equal ``inspect_plan``'s. ``--predict`` also prints, over the changed batches, the
 cost model's p2p layer time (forward + backward) with the step over without it, for three head
 shapes and with CP ranks over NVLink or all over InfiniBand (``mcx-plan``'s H100 profile).
+``--examples`` prints, instead, six long-document batches under sliding windows with the
+reference step off and on: the largest rank's calls, tile area and rows sent, work, tile
+efficiency, and the cost model's p2p layer time (64/8 heads, d 128, bf16).
 """
 
 from __future__ import annotations
@@ -138,6 +141,38 @@ def report(rows: list[dict]) -> list[str]:
     return out
 
 
+EXAMPLES = (
+    ("one 48K document", [48495], 64, 2048),
+    ("one 181K document", [181389], 64, 2048),
+    ("one 1M document", [1 << 20], 64, 4096),
+    ("four 64K documents", [65536] * 4, 64, 2048),
+    ("eight 128K documents", [131072] * 8, 64, 4096),
+    ("twenty 20K documents", [20000] * 20, 32, 1024),
+)
+
+
+def examples() -> list[str]:
+    shape = dict(num_heads=64, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
+    profile = load_profile("h100-nvlink-ib400")
+    head = ("| batch | cp | window | calls (largest rank) | largest rank's tile area | rows sent (largest rank) "
+            "| work max/mean | tile eff | predicted p2p layer ms (fwd + bwd) |")  # fmt: skip
+    out = [head, "|---" * 9 + "|"]
+    for name, lens, cp, w in EXAMPLES:
+        kw, side = dict(causal=True, window_size=(w, -1)), {}
+        for on in SIDES:
+            balance_pick.PATH_STEP = on == "on"
+            rep = mcx.inspect_plan(mcx.shard_sequences(cu_seqlens(lens), cp, **kw), "p2p", **kw, **shape)
+            rr = rep.ranks.values()
+            side[on] = (max(len(x.calls) for x in rr), max(x.tile_area for x in rr),
+                        max(x.bytes_sent["forward"] for x in rr) // rep.kv_row_bytes, rep.work_imbalance,
+                        rep.tile_efficiency, predict(rep, profile).total_s * 1e3)  # fmt: skip
+        balance_pick.PATH_STEP = True
+        a, b = side["off"], side["on"]
+        out.append(f"| {name} | {cp} | {w} | {a[0]} → {b[0]} | {b[1] / a[1]:.2f}× | {a[2]} → {b[2]} | "
+                   f"{a[3]:.4f} → {b[3]:.4f} | {a[4]:.3f} → {b[4]:.3f} | {a[5]:.2f} → {b[5]:.2f} |")  # fmt: skip
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--count", type=int, default=36, help="batches in the family")
@@ -146,8 +181,12 @@ def main() -> None:
     ap.add_argument("--long", action="store_true", help="one to three long documents per batch")
     ap.add_argument("--masks", default=None, help="comma-separated masks instead of the six, e.g. window2048,chunk4096")
     ap.add_argument("--predict", action="store_true", help="cost-model layer time of the changed batches")
+    ap.add_argument("--examples", action="store_true", help="six named long-document batches, the reference step")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    if args.examples:
+        print("\n".join(examples()))
+        return
     masks = MASKS if args.masks is None else {m: mask_kw(m) for m in args.masks.split(",")}
     batches = long_family(args.count, args.seed) if args.long else family(args.count, False, args.seed)
     print("\n".join(report(measure(batches, FLAGS[args.step], masks, args.predict))))
