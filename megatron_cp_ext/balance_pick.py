@@ -4,9 +4,11 @@ With a few hundred or thousand tokens per rank, equal counts force cuts through 
 documents, and where those cuts land decides both the attention work per rank and how full
 the flash tiles are; one greedy pass can then come out slightly less balanced than the plain
 dual-chunk split, or waste tiles a neighbouring choice would not. On batches of at most
-:data:`SEARCH_TOKENS` tokens (where one more pass costs a few milliseconds; larger batches
-are left alone so planning time does not grow where it is largest), :func:`pick` scores
-these candidates exactly in work and approximately in tiles:
+:data:`SEARCH_TOKENS` tokens (where one more pass costs a few milliseconds), and on larger
+ones of a few long documents (:data:`SEARCH_PIECES`: there a pass's tile-aligned cuts can
+leave it up to 0.15 % above dual-chunk's work), :func:`pick` scores these candidates exactly in
+work and approximately in tiles (other large batches keep the one pass, so planning time does
+not grow where it is largest):
 
 * the workload stream with its default tolerance, with a tighter and a looser one, and with
   the ranks served in reverse order (the last ranks absorb earlier misses: another set of
@@ -50,12 +52,18 @@ from .masks import MaskSpec
 from .tile_pick import ESTIMATE_HIGH, GOAL, GOAL_OF_ONE, LOOSE, MAX_RANKS, REACH, rank_paths, rank_tiles
 from .workload import TOLERANCE, Step, workload_segments
 
-__all__ = ["pick", "rank_work", "tile_estimate", "Search", "SEARCH_TOKENS", "TILE_STEP", "PATH_STEP"]
+__all__ = ["pick", "rank_work", "tile_estimate", "Search", "SEARCH_TOKENS", "SEARCH_PIECES", "TILE_STEP", "PATH_STEP"]
 __all__ += ["shorter_reference", "References"]
 
 SEARCH_TOKENS = 1 << 18
 """Batches of at most this many tokens get the candidate search (a few milliseconds each);
-larger ones, where planning time is largest and one pass already lands within 0.1 %, do not."""
+larger ones, where planning time is largest and one pass already lands within 0.1 %, do not,
+but for :data:`SEARCH_PIECES`."""
+SEARCH_PIECES = 1 << 13
+"""Larger batches get the search too where the dual-chunk split has at most this many pieces
+(documents x 2·cp): a few long documents, where one pass lands up to 0.0015 above dual-chunk's
+work (its cuts at tile multiples move a visible share of a rank's work) and the search costs
+20-50 ms at 1M tokens and cp 64."""
 WORK_BOUND = 1.03
 """Largest work max/mean a candidate may have (the balance's goal)."""
 WORK_SLACK = 5e-4
@@ -249,7 +257,7 @@ def pick(
     given). ``dualchunk`` is the mask's even-work reference split (the search's candidate)."""
     if not counts:
         return workload_segments(lens, counts, mask)
-    if sum(counts) > SEARCH_TOKENS:
+    if sum(counts) > SEARCH_TOKENS and np.count_nonzero(lens) * 2 * len(counts) > SEARCH_PIECES:
         segs = workload_segments(lens, counts, mask)
     else:
         search = Search(lens, counts, mask, dualchunk)
