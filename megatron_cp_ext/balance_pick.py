@@ -5,8 +5,8 @@ documents, and where those cuts land decides both the attention work per rank an
 the flash tiles are; one greedy pass can then come out slightly less balanced than the plain
 dual-chunk split, or waste tiles a neighbouring choice would not. On batches of at most
 :data:`SEARCH_TOKENS` tokens (where one more pass costs a few milliseconds), and on larger
-ones of a few long documents (:data:`SEARCH_PIECES`: there a pass's tile-aligned cuts can
-leave it up to 0.15 % above dual-chunk's work), :func:`pick` scores these candidates exactly in
+ones of up to a few hundred documents (:data:`SEARCH_PIECES`: there a pass's tile-aligned
+cuts can leave it up to 0.15 % above dual-chunk's work), :func:`pick` scores these candidates exactly in
 work and approximately in tiles (other large batches keep the one pass, so planning time does
 not grow where it is largest):
 
@@ -59,11 +59,12 @@ SEARCH_TOKENS = 1 << 18
 """Batches of at most this many tokens get the candidate search (a few milliseconds each);
 larger ones, where planning time is largest and one pass already lands within 0.1 %, do not,
 but for :data:`SEARCH_PIECES`."""
-SEARCH_PIECES = 1 << 13
+SEARCH_PIECES = 1 << 16
 """Larger batches get the search too where the dual-chunk split has at most this many pieces
-(documents x 2·cp): a few long documents, where one pass lands up to 0.0015 above dual-chunk's
-work (its cuts at tile multiples move a visible share of a rank's work) and the search costs
-20-50 ms at 1M tokens and cp 64."""
+(documents x 2·cp: up to 512 documents at cp 64): there one pass can land up to 0.0015 above
+dual-chunk's work (a long document's cuts at tile multiples move a visible share of a rank's
+work), and the search costs 20-65 ms of host time at 1M tokens and cp 64. With more
+documents, dual-chunk's own split is no more even than the pass (both about 0.1 %)."""
 WORK_BOUND = 1.03
 """Largest work max/mean a candidate may have (the balance's goal)."""
 WORK_SLACK = 5e-4
