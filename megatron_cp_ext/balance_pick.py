@@ -255,7 +255,8 @@ def pick(
     never picked before the first). Where the pick then misses the tile goal, the tile step
     (:func:`refine`, when :data:`TILE_STEP`) compares exact tile areas. Last, on every batch,
     the reference step (:func:`shorter_reference`, when :data:`PATH_STEP` and ``refs`` are
-    given). ``dualchunk`` is the mask's even-work reference split (the search's candidate)."""
+    given). ``dualchunk`` is the mask's even-work reference split (the search's candidate, and
+    the reference step's work bound)."""
     if not counts:
         return workload_segments(lens, counts, mask)
     if sum(counts) > SEARCH_TOKENS and np.count_nonzero(lens) * 2 * len(counts) > SEARCH_PIECES:
@@ -264,24 +265,26 @@ def pick(
         search = Search(lens, counts, mask, dualchunk)
         chosen = search.choose()
         segs = refine(search, chosen) if TILE_STEP else search.cands[chosen]
+        dualchunk = lambda: search.cands[1]  # noqa: E731 - already built (and scored) by the search
     if PATH_STEP and refs is not None:
-        segs = shorter_reference(lens, counts, mask, segs, refs)
+        segs = shorter_reference(lens, counts, mask, segs, dualchunk, refs)
     return segs
 
 
 class References(NamedTuple):
-    """The plain splits :func:`shorter_reference` weighs a pick against, each built only where
+    """The plain splits :func:`shorter_reference` weighs a pick against besides the dual-chunk
+    one (:func:`pick`'s own reference under the masks the step runs for), each built only where
     the step needs it."""
 
-    dualchunk: Callable[[], Segs]
-    """Every sequence in 2·cp chunks (``balance="dualchunk"``): the work bound's reference."""
     contiguous: Callable[[], Segs]
     """Slice r of every sequence (``balance="contiguous"``)."""
     in_order: Callable[[], Segs]
     """The batch cut in its packed order: rank r the ``counts[r]`` tokens after rank r - 1's."""
 
 
-def shorter_reference(lens: np.ndarray, counts: list[int], mask: MaskSpec, segs: Segs, refs: References) -> Segs:
+def shorter_reference(
+    lens: np.ndarray, counts: list[int], mask: MaskSpec, segs: Segs, dualchunk: Callable[[], Segs], refs: References
+) -> Segs:
     """``segs``, or the reference split whose ``p2p`` layer is no longer on any count a
     sharding decides and shorter on the main ones.
 
@@ -304,7 +307,7 @@ def shorter_reference(lens: np.ndarray, counts: list[int], mask: MaskSpec, segs:
         return segs
     work = rank_work(lens, segs, mask)
     mean = max(work.mean(), 1e-30)
-    dual = refs.dualchunk()
+    dual = dualchunk()  # the mask's even-work split: dual-chunk under a window or chunks
     imb_dual = rank_work(lens, dual, mask).max() / mean
     bound = min(WORK_BOUND, imb_dual + WORK_SLACK)
     cands = [(refs.in_order(), None)]

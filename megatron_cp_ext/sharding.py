@@ -381,7 +381,6 @@ def shard_sequences(
 
         counts = rank_counts(cu[-1], cp_size, token_multiple)
         refs = References(
-            dualchunk=lambda: _dualchunk(lens, cp_size, token_multiple),
             contiguous=lambda: _contiguous(lens, cp_size, token_multiple),
             in_order=lambda: _in_order(lens, counts),
         )
