@@ -230,8 +230,12 @@ def _a2a_bytes(plan: A2APlan, hq: int, hkv: int, d: int, dv: int, es: int, token
     q_w, o_w, kv_w = d * es, dv * es, (d + dv) * es
     fwd_out = out_q * q_w + out_kv * kv_w + in_q * o_w  # outputs of the others' tokens go back
     fwd_in = in_q * q_w + in_kv * kv_w + out_q * o_w
-    bwd_out = out_q * o_w + in_q * q_w + in_kv * kv_w  # dout out; dq and dK/dV of their tokens back
-    bwd_in = in_q * o_w + out_q * q_w + out_kv * kv_w
+    # dout and its rows' dout . out (acc dtype, ``schedules/delta.py``) out; dq and dK/dV back
+    acc = 8 if es == 8 else 4
+    rep = hkv < a  # replicated KV heads: the saved k and v go to heads again, dK/dV home in acc dtype
+    d_w, g_w = o_w + acc, (d + dv) * acc if rep else kv_w
+    bwd_out = out_q * d_w + in_q * q_w + in_kv * g_w + rep * out_kv * kv_w
+    bwd_in = in_q * d_w + out_q * q_w + out_kv * g_w + rep * in_kv * kv_w
     ring = plan.ring
     rs, rr, packed = _p2p_bytes(ring, nkv[me] * (d + dv) * es, nkv[me] * (d + dv) * 4)
     sent = {"forward": fwd_out + rs["forward"], "backward": bwd_out + rs["backward"]}

@@ -342,7 +342,12 @@ def _a2a_times(sharding: CPSharding, owner, mask: MaskSpec, a: int, counts: np.n
     es = sh.es
     q_w, o_w, kv_w = sh.d * es, sh.dv * es, (sh.d + sh.dv) * es
     fwd = np.maximum(out_q * q_w + out_kv * kv_w + in_q * o_w, in_q * q_w + in_kv * kv_w + out_q * o_w)
-    bwd = np.maximum(out_q * o_w + in_q * q_w + in_kv * kv_w, in_q * o_w + out_q * q_w + out_kv * kv_w)
+    acc = 8 if es == 8 else 4
+    d_w = o_w + acc  # dout and its rows' dout . out (``schedules/delta.py``)
+    rep = sh.hkv < a  # replicated KV heads: the saved k and v go to heads again, dK/dV home in acc dtype
+    g_w = (sh.d + sh.dv) * acc if rep else kv_w
+    bwd = np.maximum(out_q * d_w + in_q * q_w + in_kv * g_w + rep * out_kv * kv_w,
+                     in_q * d_w + out_q * q_w + out_kv * g_w + rep * in_kv * kv_w)  # fmt: skip
     coll = dict.fromkeys(PHASES, np.zeros(cp))
     if a > 1:
         lat = prof.latency_us * 1e-6

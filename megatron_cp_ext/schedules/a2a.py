@@ -6,7 +6,9 @@ are put in global (sequence, position) order by one gather with a plan index, so
 sequence is contiguous and the local calls need no further gathers. Attention over those
 tokens is then the ``p2p`` ring across the ``P`` a2a groups (``P == 1`` for plain ``a2a``: a
 ring of one, no communication) — the very same ring, calls and merge as ``p2p``. The output
-goes back through the inverse permutation and all-to-all; the backward mirrors every step.
+goes back through the inverse permutation and all-to-all; the backward mirrors every step,
+except that the output does not travel: each row's ``dout . out`` does, and a stand-in built
+from ``dout`` takes the output's place in the kernel (:mod:`.delta`).
 
 Heads: any counts (:mod:`.heads`). Members hold whole GQA groups, dealt out as evenly as the
 counts allow; with fewer KV heads than members, a KV head is replicated to the members
@@ -29,6 +31,7 @@ from ..ops import LSE_FLOOR
 from ..sharding import CPSharding
 from . import a2a_groups, p2p
 from .common import KV, GradAcc, OutAcc, Run, acc_dtype, apply_sink, new_accumulators, sink_grad, step_forward, take
+from .delta import row_dot, stand_in
 from .heads import from_heads, head_room, split_heads, to_heads
 from .p2p_plan import plan_narrow, split_wide
 
@@ -152,7 +155,7 @@ class _A2AAttention(torch.autograd.Function):
         del out_h  # the accumulator: freed once permuted
         y = from_heads(send, q_parts, plan.counts, me, a2a_group, q.shape[0], q.shape[1], room)
         # the output itself is saved (the next layer keeps it anyway), not a head-sharded copy;
-        # backward moves it back to heads in the same all-to-all as dout. Replicated KV heads
+        # backward moves only each row's dout . out to heads (:mod:`.delta`). Replicated KV heads
         # (fewer KV heads than members) would make the head-sharded KV larger than k and v:
         # then k and v are saved and moved to heads again in backward (one more all-to-all)
         if replicated:
@@ -190,16 +193,22 @@ class _A2AAttention(torch.autograd.Function):
             kv = [dk_h, dv_h]  # handed over: freed once packed
             del dk_h, dv_h
             return dq, *_kv_home(kv, kv_parts, plan, group, inv, replicated, shape, dtype), d_off, None, None, None
-        # two all-to-alls rather than one of [dout | out]: the concatenation would hold two
-        # more copies of both at once
-        dout_h = to_heads(dout.contiguous(), q_parts, plan.counts, me, group, perm, exact=False)
-        out_h = to_heads(y, q_parts, plan.counts, me, group, perm, exact=False)
+        # the kernel reads the output only for each row's dout . out: that moves to heads, not
+        # the output (:mod:`.delta`)
+        dout = dout.contiguous()
+        delta = row_dot(dout, y)
+        del y
+        dout_h = to_heads(dout, q_parts, plan.counts, me, group, perm, exact=False)
+        delta_h = to_heads(delta.unsqueeze(-1), q_parts, plan.counts, me, group, perm, exact=False)[..., 0]
+        del delta
         h0, h1 = q_parts[me]
         d_off = None
         if offset is not None and ctx.needs_input_grad[3]:
             d_off = torch.zeros_like(offset)
             if h1 > h0:
-                d_off[h0:h1] = sink_grad(dout_h, out_h, lse, offset[h0:h1]).to(offset.dtype)
+                d_off[h0:h1] = sink_grad(None, None, lse, offset[h0:h1], delta_h).to(offset.dtype)
+        out_h = stand_in(dout_h, delta_h) if h1 > h0 else None
+        del delta_h
         if h1 > h0:  # the ring's: fp32 / fp64, dK and dV apart (adopted kernel outputs, no packed zeros)
             saved = [dout_h, q_h, out_h, lse]  # handed over: the ring keeps only the rows it reads
             del dout_h, out_h

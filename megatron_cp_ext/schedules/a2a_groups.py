@@ -3,9 +3,10 @@ head-layout temporaries alive at a time.
 
 Under the flash contract the backward kernel takes dout and the output in head layout, and
 the caller keeps both in token layout meanwhile; with every head at once, the kernel call has
-dout and the output moved to heads plus the kernel's dq alive (three ``[t, H, D]`` buffers,
-1.2x the ideal in fp32 at 16/4 heads). Split over ``G`` groups of each member's query heads,
-each group moves its share of dout and the output to heads, runs the kernel for those query
+dout moved to heads, the output's stand-in (:mod:`.delta`) and the kernel's dq alive (three
+``[t, H, D]`` buffers, 1.2x the ideal in fp32 at 16/4 heads). Split over ``G`` groups of each
+member's query heads, each group moves its share of dout and of the rows' ``dout . out`` to
+heads, builds its stand-in, runs the kernel for those query
 heads with the KV heads they read, and sends its dq home into the (token-layout) dq, so only
 1/G of those three is alive. The price: the whole dq is alive from the first group on; and a
 KV head whose query heads fall into several groups gets one kernel dK/dV per group, summed
@@ -31,6 +32,7 @@ from __future__ import annotations
 import torch
 
 from .common import KV, acc_dtype, sink_grad
+from .delta import row_dot, stand_in
 from .heads import Range, heads_into, to_heads
 
 __all__ = ["MIN_GROUP_BYTES", "RING_MIN_GROUP_BYTES", "GROUPS", "group_parts", "valid", "choose", "backward"]
@@ -102,8 +104,8 @@ def _shared(parts: list[tuple[tuple[Range, ...], tuple[Range, ...]]], m: int) ->
 def choose(heads, counts: list[int], hq: int, hkv: int, d: int, dv: int, dtype: torch.dtype, ring: bool = False) -> int:
     """The number of head groups for this a2a backward (the same on every member).
 
-    Modelled at the largest member's shard, in bytes: groups free ``(1 - 1/G)`` of dout and
-    the output moved to heads and the kernel's dq, and cost the whole token-layout dq (alive
+    Modelled at the largest member's shard, in bytes: groups free ``(1 - 1/G)`` of dout moved
+    to heads, the output's stand-in and the kernel's dq, and cost the whole token-layout dq (alive
     from the first group) plus, where KV heads are shared by groups, their summed dK/dV
     (acc dtype) beside the kernel's, else 1/G of the kernel's dK/dV. The largest gain wins;
     no gain, or a group whose dout all-to-all is under :data:`MIN_GROUP_BYTES`, keeps one.
@@ -158,13 +160,17 @@ def backward(
         acc = [x.new_empty(x.shape, dtype=dtype) for x in (kv.k, kv.v)]
         del kv
     done = k0  # KV heads below this one have their dK/dV in ``acc``
+    delta = row_dot(dout, y).unsqueeze(-1)  # each row's dout . out: moved instead of the output
+    del y
     for q_j, kv_j in parts:
         dout_h = to_heads(dout, q_j, counts, me, group, perm, exact=False)
-        out_h = to_heads(y, q_j, counts, me, group, perm, exact=False)
+        delta_h = to_heads(delta, q_j, counts, me, group, perm, exact=False)[..., 0]
         (a, b), (ka, kb) = q_j[me], kv_j[me]
         lse_j = lse[:, a - h0 : b - h0]
         if d_off is not None and b > a:
-            d_off[a:b] = sink_grad(dout_h, out_h, lse_j, offset[a:b]).to(offset.dtype)
+            d_off[a:b] = sink_grad(None, None, lse_j, offset[a:b], delta_h).to(offset.dtype)
+        out_h = stand_in(dout_h, delta_h) if b > a else None
+        del delta_h
         if b > a:
             saved = [dout_h, q_h[:, a - h0 : b - h0], out_h, lse_j]  # handed over
             del dout_h, out_h

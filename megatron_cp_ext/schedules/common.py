@@ -301,9 +301,14 @@ def apply_sink(out: torch.Tensor, lse: torch.Tensor, offset: torch.Tensor) -> tu
     return out * torch.exp(lse - lse_t).unsqueeze(-1), lse_t
 
 
-def sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+def sink_grad(
+    dout: torch.Tensor | None, out: torch.Tensor | None, lse: torch.Tensor, offset: torch.Tensor,
+    delta: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
     """d loss / d offset of this rank's queries (the caller's data-parallel reduction sums the
-    ranks): the sink's probability times minus the row's ``dout . out``."""
+    ranks): the sink's probability times minus the row's ``dout . out`` (``delta`` where the
+    caller has it already, ``[N, H]``; then ``dout`` and ``out`` are not read)."""
     p = torch.exp(offset.to(lse.dtype)[None, :] - lse)  # lse includes the sink: finite
-    delta = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1)
-    return -(p * delta).sum(0)
+    if delta is None:
+        delta = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1)
+    return -(p * delta.to(lse.dtype)).sum(0)

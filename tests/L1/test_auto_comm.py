@@ -66,10 +66,11 @@ def test_auto_exact_and_agreed(causal, batch, hier):
 
 
 def test_auto_choice_depends_on_profile():
-    """A slow link makes p2p win where it moves nothing; launches and compute favour a2a's one
-    call on its head share here: the choice follows the model, it is not fixed."""
+    """Launches and compute favour a2a's one call on its head share here; a slow link makes p2p
+    win, on the cut documents too (a2a's backward moves its replicated KV heads to heads again
+    and sends their dK/dV home in fp64): the choice follows the model, it is not fixed."""
     picks = {}
-    for (seqlens, balance, prof), want in zip(BATCHES, ("a2a", "a2a", "a2a", "p2p"), strict=True):
+    for (seqlens, balance, prof), want in zip(BATCHES, ("a2a", "a2a", "p2p", "p2p"), strict=True):
         sharding = AttnCase(seqlens=seqlens, balance=balance).sharding(4)
         best, times = auto.choose_comm_type(
             sharding, MaskSpec.make(causal=True), candidates=CANDIDATES[False], a2a_size=1, num_heads=4,

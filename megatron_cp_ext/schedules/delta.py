@@ -1,0 +1,68 @@
+"""The output a flash backward reads, made from ``dout`` instead of moved: ``a2a``'s backward
+sends no output to heads.
+
+A flash-style backward (FA2, FA3, cuDNN, PyTorch's flash, the reference) reads the output
+``out`` once, for the softmax's row term ``delta_i = sum_d dout_id * out_id`` (each query
+head's dot product); nothing else of it enters the gradients. So any tensor ``x`` with
+``sum_d dout_id * x_id = delta_i`` gives the same gradients. ``a2a`` and ``a2a+p2p`` hold the
+output in token layout and used to move it to head layout for the kernel — an all-to-all as
+large as ``dout``'s. Instead, ``delta`` is computed in token layout (one ``[t, H]`` fp32
+value per query row and head), moved to heads (``1 / (Dv * itemsize / 4)`` of the bytes), and
+:func:`stand_in` builds ``x`` there from ``dout`` itself: zeros except at the row's two largest
+``|dout|`` entries, ``x_k = delta / dout_k`` rounded, and ``x_l`` carrying the rounding
+remainder. Written in the input dtype, ``sum_d dout_d * x_d`` then equals ``delta`` to about
+twice the input's precision (bf16: ~2^-17 relative; a single entry would give 2^-9, enough to
+show in the gradients where ``dout . v`` hardly varies over the keys), so the gradients match
+those from the moved output to the kernel's own rounding (``tests/L1/test_a2a_stand_in.py``).
+A row whose ``dout`` is zero gets ``x = 0`` (``delta`` is 0 there too); a NaN or inf in a row's
+``dout`` or output stays in that row, as with the moved output.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["row_dot", "stand_in"]
+
+_BMM_DTYPE = hasattr(torch.ops.aten.bmm, "dtype")
+"""Whether this torch has ``bmm(..., out_dtype)`` (16-bit inputs, fp32 result, on CUDA)."""
+
+
+def row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``sum_d a[..., d] * b[..., d]`` over the last dim in the accumulator dtype (fp32, fp64
+    for fp64): ``[t, H, D] x [t, H, D] -> [t, H]``, the products never rounded to 16 bits."""
+    lead, d = a.shape[:-1], a.shape[-1]
+    a3, b3 = a.reshape(-1, 1, d), b.reshape(-1, d, 1)
+    wide = a.dtype in (torch.float32, torch.float64)
+    if wide and a.is_cuda:  # no TF32 matmul for these (flash takes 16-bit: test sizes only)
+        return (a * b).sum(-1)
+    if wide:
+        return torch.bmm(a3, b3).view(lead)
+    if a.is_cuda and _BMM_DTYPE:
+        return torch.bmm(a3, b3, out_dtype=torch.float32).view(lead)
+    return torch.bmm(a3.float(), b3.float()).view(lead)  # CPU 16-bit: widened copies (tests)
+
+
+def stand_in(dout: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """A ``dout``-shaped tensor ``x`` (its dtype) with ``sum_d dout_d * x_d = delta`` per row
+    and head, to take the output's place in a flash backward (see the module docstring).
+
+    ``dout``: ``[T, h, Dv]``; ``delta``: ``[T, h]`` in the accumulator dtype. One entry per row
+    where the input is fp32 or fp64 (its rounding is the input's own), two for 16-bit inputs.
+    A zero ``dout_k`` divides by 1 instead (``delta`` is 0 there, or the entry adds nothing)."""
+    width = dout.shape[-1]
+    if width == 0:
+        return torch.empty_like(dout)
+    two = dout.element_size() < 4 and width > 1
+    mag = dout.abs()
+    top = mag.topk(2, dim=-1).indices if two else mag.argmax(-1, keepdim=True)
+    del mag
+    at = dout.gather(-1, top).to(delta.dtype)
+    at += at == 0
+    hi = (delta / at[..., 0]).to(dout.dtype)
+    if two:
+        rest = delta - at[..., 0] * hi  # what the rounded first entry misses
+        vals = torch.stack([hi, (rest / at[..., 1]).to(dout.dtype)], dim=-1)
+    else:
+        vals = hi.unsqueeze(-1)
+    return torch.zeros_like(dout).scatter_(-1, top, vals)

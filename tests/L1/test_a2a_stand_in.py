@@ -1,0 +1,109 @@
+"""a2a's backward moves each row's ``dout . out`` to heads, not the output (``schedules/delta.py``):
+the stand-in output gives the kernel the same row term, the gradients match those of the moved
+output, and the backward's all-to-alls send exactly the bytes ``inspect_plan`` counts."""
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+import megatron_cp_ext as mcx
+from megatron_cp_ext.backends import reference
+from megatron_cp_ext.schedules import a2a_groups, heads
+from megatron_cp_ext.schedules.delta import row_dot, stand_in
+from megatron_cp_ext.testing.inproc import run_threads
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64]
+PRECISION = {torch.bfloat16: 2e-5, torch.float16: 2e-6, torch.float32: 2e-7, torch.float64: 1e-15}
+"""Largest relative error of ``dout . stand_in`` against the row term: about twice the 16-bit
+inputs' precision (two entries), the input's own for fp32 and fp64 (one)."""
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_stand_in_gives_the_row_term(dtype):
+    g = torch.Generator().manual_seed(0)
+    dout, out = (torch.randn(64, 3, 40, generator=g).to(dtype) for _ in range(2))
+    dout[3] = 0  # a zero row
+    dout[5, 1] = 0
+    dout[5, 1, 7] = 2  # one nonzero entry
+    dout[6, 0, 5] = float("nan")  # stays in its row
+    delta = row_dot(dout, out)
+    assert delta.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    want = (dout.double() * out.double()).sum(-1)
+    torch.testing.assert_close(delta.double(), want, rtol=1e-5, atol=1e-5, equal_nan=True)
+    x = stand_in(dout, delta)
+    assert x.dtype == dtype and x.shape == dout.shape
+    got = (dout.double() * x.double()).sum(-1)
+    nan = torch.isnan(want)
+    assert torch.equal(torch.isnan(got), nan) and nan.sum() == 1
+    rel = (got - delta.double()).abs() / delta.double().abs().clamp_min(1e-30)
+    assert rel[~nan].max() <= PRECISION[dtype]
+    assert torch.equal(x[3], torch.zeros_like(x[3]))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_gradients_match_the_moved_output(dtype):
+    """Values almost alike over the keys make ``dout . v`` nearly constant, so the backward's
+    ``dP - delta`` cancels: an error of the 16-bit rounding in delta would show there (one
+    entry does, by 20-30 %); the stand-in's gradients are as far from fp64 as the output's."""
+    g = torch.Generator().manual_seed(1)
+    t, h, d = 384, 4, 64
+    cu = torch.tensor([0, 250, t], dtype=torch.int32)
+    q, k, dout = (torch.randn(t, h, d, generator=g, dtype=torch.float64) for _ in range(3))
+    v = 1.0 + 0.05 * torch.randn(t, h, d, generator=g, dtype=torch.float64)
+    args = (cu, cu, 250, 250, True, (-1, -1), d**-0.5)
+    o64, lse64 = reference.attn_fwd(q, k, v, *args)
+    want = reference.attn_bwd(dout, q, k, v, o64, lse64, *args)
+    qb, kb, vb, db = (x.to(dtype) for x in (q, k, v, dout))
+    out, lse = reference.attn_fwd(qb, kb, vb, *args)
+    out = out.to(dtype)
+    moved = reference.attn_bwd(db, qb, kb, vb, out, lse, *args)
+    standin = reference.attn_bwd(db, qb, kb, vb, stand_in(db, row_dot(db, out)), lse, *args)
+    for a, b, w in zip(moved, standin, want):
+        err_moved = (a.double() - w).norm() / w.norm()
+        err_stand = (b.double() - w).norm() / w.norm()
+        assert err_stand <= 1.01 * err_moved, (err_stand, err_moved)
+
+
+_SENT = threading.local()
+
+
+def _counting(orig):
+    def a2a_flat(flat, send_sizes, recv_sizes, group):
+        me = dist.get_rank(group)
+        _SENT.bytes = getattr(_SENT, "bytes", 0) + (sum(send_sizes) - send_sizes[me]) * flat.element_size()
+        return orig(flat, send_sizes, recv_sizes, group)
+
+    return a2a_flat
+
+
+def _backward_bytes(rank, world, cu, hq, hkv, dtype):
+    sharding = mcx.shard_sequences(cu, world)
+    t = sharding.num_tokens(rank)
+    g = torch.Generator().manual_seed(rank)
+    q, dout = (torch.randn(t, hq, 16, generator=g).to(dtype) for _ in range(2))
+    k, v = (torch.randn(t, hkv, 16, generator=g).to(dtype) for _ in range(2))
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    out = mcx.cp_attention(q, k, v, cp_group=dist.group.WORLD, comm_type="a2a", sharding=sharding)
+    _SENT.bytes = 0
+    out.backward(dout)
+    return _SENT.bytes
+
+
+@pytest.mark.parametrize("groups", [None, 2], ids=["chosen", "two-groups"])
+@pytest.mark.parametrize("hq,hkv,dtype", [(8, 4, torch.bfloat16), (4, 1, torch.bfloat16), (8, 2, torch.float32)])
+def test_backward_sends_what_inspect_counts(monkeypatch, hq, hkv, dtype, groups):
+    """No output-sized all-to-all: dout and the row terms out, dq and dK/dV home (replicated KV
+    heads also move the saved k and v again, and send dK/dV home in fp32) — the bytes the plan
+    report and the ``auto`` estimate price."""
+    monkeypatch.setattr(heads, "_a2a_flat", _counting(heads._a2a_flat))
+    monkeypatch.setattr(a2a_groups, "GROUPS", groups)
+    cu = np.cumsum([0, 200, 37, 0, 90, 185]).tolist()
+    world = 4
+    got = run_threads(world, _backward_bytes, cu, hq, hkv, dtype, timeout=120)
+    rep = mcx.inspect_plan(
+        mcx.shard_sequences(cu, world), "a2a", num_heads=hq, num_kv_heads=hkv, head_dim=16, dtype=dtype
+    )
+    assert got == [rep.ranks[r].bytes_sent["backward"] for r in range(world)]

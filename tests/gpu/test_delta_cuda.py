@@ -1,0 +1,24 @@
+"""a2a's backward row term on the GPU (``schedules/delta.py``): ``row_dot`` of 16-bit inputs
+takes ``bmm(..., out_dtype=float32)`` there, and the stand-in gives that term back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_cp_ext.schedules.delta import row_dot, stand_in
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_row_dot_and_stand_in_on_cuda(dtype):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    a, b = (torch.randn(4096, 8, 128, generator=g, device="cuda").to(dtype) for _ in range(2))
+    got = row_dot(a, b)
+    want = (a.double() * b.double()).sum(-1)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
+    x = stand_in(a, got)
+    back = (a.double() * x.double()).sum(-1)
+    assert ((back - got.double()).abs() / got.double().abs().clamp_min(1e-30)).max() < 2e-5
