@@ -79,14 +79,15 @@ def _counting(orig):
     return a2a_flat
 
 
-def _backward_bytes(rank, world, cu, hq, hkv, dtype):
+def _backward_bytes(rank, world, cu, hq, hkv, dtype, comm="a2a"):
     sharding = mcx.shard_sequences(cu, world)
     t = sharding.num_tokens(rank)
     g = torch.Generator().manual_seed(rank)
     q, dout = (torch.randn(t, hq, 16, generator=g).to(dtype) for _ in range(2))
     k, v = (torch.randn(t, hkv, 16, generator=g).to(dtype) for _ in range(2))
     q, k, v = (x.requires_grad_() for x in (q, k, v))
-    out = mcx.cp_attention(q, k, v, cp_group=dist.group.WORLD, comm_type="a2a", sharding=sharding)
+    group = mcx.hierarchical_cp_groups(2) if comm == "a2a+p2p" else dist.group.WORLD
+    out = mcx.cp_attention(q, k, v, cp_group=group, comm_type=comm, sharding=sharding)
     _SENT.bytes = 0
     out.backward(dout)
     return _SENT.bytes
@@ -107,3 +108,19 @@ def test_backward_sends_what_inspect_counts(monkeypatch, hq, hkv, dtype, groups)
         mcx.shard_sequences(cu, world), "a2a", num_heads=hq, num_kv_heads=hkv, head_dim=16, dtype=dtype
     )
     assert got == [rep.ranks[r].bytes_sent["backward"] for r in range(world)]
+
+
+@pytest.mark.parametrize("groups", [None, 2], ids=["chosen", "two-groups"])
+@pytest.mark.parametrize("hq,hkv,dtype", [(8, 4, torch.bfloat16), (4, 1, torch.float32)])
+def test_hierarchical_all_to_alls_send_what_inspect_counts(monkeypatch, hq, hkv, dtype, groups):
+    """a2a+p2p (a2a groups of 2 at cp 4): its all-to-alls' backward bytes equal the plan
+    report's a2a step (the ring's messages are counted apart, by its ring steps)."""
+    monkeypatch.setattr(heads, "_a2a_flat", _counting(heads._a2a_flat))
+    monkeypatch.setattr(a2a_groups, "GROUPS", groups)
+    cu = np.cumsum([0, 200, 37, 0, 90, 185]).tolist()
+    got = run_threads(4, _backward_bytes, cu, hq, hkv, dtype, "a2a+p2p", timeout=120)
+    rep = mcx.inspect_plan(
+        mcx.shard_sequences(cu, 4), "a2a+p2p", a2a_size=2, num_heads=hq, num_kv_heads=hkv, head_dim=16, dtype=dtype
+    )
+    want = [sum(s.bytes_sent["backward"] for s in rep.ranks[r].steps if s.kind == "a2a") for r in range(4)]
+    assert got == want
