@@ -20,6 +20,7 @@ import torch
 
 from ..ops import LSE_FLOOR, gather_rows, index_add_rows, merge_partial
 from ..plan import VarlenCall
+from .delta import row_dot
 
 __all__ = [
     "Run",
@@ -310,5 +311,5 @@ def sink_grad(
     caller has it already, ``[N, H]``; then ``dout`` and ``out`` are not read)."""
     p = torch.exp(offset.to(lse.dtype)[None, :] - lse)  # lse includes the sink: finite
     if delta is None:
-        delta = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1)
+        delta = row_dot(dout, out)
     return -(p * delta.to(lse.dtype)).sum(0)

@@ -31,6 +31,9 @@ _BMM_DTYPE = hasattr(torch.ops.aten.bmm, "dtype")
 def row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``sum_d a[..., d] * b[..., d]`` over the last dim in the accumulator dtype (fp32, fp64
     for fp64): ``[t, H, D] x [t, H, D] -> [t, H]``, the products never rounded to 16 bits."""
+    if a.dtype != b.dtype:  # mixed inputs: both widened (not a2a's path: dout has the output's dtype)
+        common = torch.float64 if torch.float64 in (a.dtype, b.dtype) else torch.float32
+        a, b = a.to(common), b.to(common)
     lead, d = a.shape[:-1], a.shape[-1]
     a3, b3 = a.reshape(-1, 1, d), b.reshape(-1, d, 1)
     wide = a.dtype in (torch.float32, torch.float64)
