@@ -33,7 +33,7 @@ from .plan import Layout, StepPlan, visible_rows
 from .schedules import build_plan
 from .schedules.a2a import A2APlan
 from .schedules.all_gather import GatherPlan
-from .schedules.heads import split_heads
+from .schedules.heads import a2a_bytes, split_heads
 from .schedules.p2p_plan import P2PPlan, use_split
 from .sharding import CPSharding
 
@@ -227,15 +227,7 @@ def _a2a_bytes(plan: A2APlan, hq: int, hkv: int, d: int, dv: int, es: int, token
     out_q = sum(tokens * nq[j] for j in range(a) if j != me)  # rows x heads sent, per head width
     out_kv = sum(tokens * nkv[j] for j in range(a) if j != me)
     in_q, in_kv = sum(others) * nq[me], sum(others) * nkv[me]
-    q_w, o_w, kv_w = d * es, dv * es, (d + dv) * es
-    fwd_out = out_q * q_w + out_kv * kv_w + in_q * o_w  # outputs of the others' tokens go back
-    fwd_in = in_q * q_w + in_kv * kv_w + out_q * o_w
-    # dout and its rows' dout . out (acc dtype, ``schedules/delta.py``) out; dq and dK/dV back
-    acc = 8 if es == 8 else 4
-    rep = hkv < a  # replicated KV heads: the saved k and v go to heads again, dK/dV home in acc dtype
-    d_w, g_w = o_w + acc, (d + dv) * acc if rep else kv_w
-    bwd_out = out_q * d_w + in_q * q_w + in_kv * g_w + rep * out_kv * kv_w
-    bwd_in = in_q * d_w + out_q * q_w + out_kv * g_w + rep * in_kv * kv_w
+    fwd_out, fwd_in, bwd_out, bwd_in = a2a_bytes(out_q, out_kv, in_q, in_kv, d, dv, es, hkv < a)
     ring = plan.ring
     rs, rr, packed = _p2p_bytes(ring, nkv[me] * (d + dv) * es, nkv[me] * (d + dv) * 4)
     sent = {"forward": fwd_out + rs["forward"], "backward": bwd_out + rs["backward"]}

@@ -40,7 +40,7 @@ import numpy as np
 from ..geometry import BIG, bounds
 from ..masks import MaskSpec
 from ..plan.calls import Layout, _join, _Pieces, _pieces, merge_ranges
-from ..schedules.heads import split_heads
+from ..schedules.heads import a2a_bytes, split_heads
 from ..sharding import CPSharding
 from .chains import cat_pieces, member_area, merge_chains
 from .cost import PHASES
@@ -339,15 +339,8 @@ def _a2a_times(sharding: CPSharding, owner, mask: MaskSpec, a: int, counts: np.n
     out_q = tokens * (nq.sum() - nq[me])
     out_kv = tokens * (nkv.sum() - nkv[me])
     in_q, in_kv = (gsum - tokens) * nq[me], (gsum - tokens) * nkv[me]
-    es = sh.es
-    q_w, o_w, kv_w = sh.d * es, sh.dv * es, (sh.d + sh.dv) * es
-    fwd = np.maximum(out_q * q_w + out_kv * kv_w + in_q * o_w, in_q * q_w + in_kv * kv_w + out_q * o_w)
-    acc = 8 if es == 8 else 4
-    d_w = o_w + acc  # dout and its rows' dout . out (``schedules/delta.py``)
-    rep = sh.hkv < a  # replicated KV heads: the saved k and v go to heads again, dK/dV home in acc dtype
-    g_w = (sh.d + sh.dv) * acc if rep else kv_w
-    bwd = np.maximum(out_q * d_w + in_q * q_w + in_kv * g_w + rep * out_kv * kv_w,
-                     in_q * d_w + out_q * q_w + out_kv * g_w + rep * in_kv * kv_w)  # fmt: skip
+    fo, fi, bo, bi = a2a_bytes(out_q, out_kv, in_q, in_kv, sh.d, sh.dv, sh.es, sh.hkv < a)
+    fwd, bwd = np.maximum(fo, fi), np.maximum(bo, bi)
     coll = dict.fromkeys(PHASES, np.zeros(cp))
     if a > 1:
         lat = prof.latency_us * 1e-6

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["split_heads", "to_heads", "from_heads", "head_room", "heads_into"]
+__all__ = ["split_heads", "to_heads", "from_heads", "head_room", "heads_into", "a2a_bytes"]
 
 Range = tuple[int, int]
 
@@ -41,6 +41,27 @@ def split_heads(hq: int, hkv: int, a: int) -> tuple[tuple[Range, ...], tuple[Ran
         q.append((j * g + (i * g) // n, j * g + ((i + 1) * g) // n))
         kv.append((j, j + 1))
     return tuple(q), tuple(kv)
+
+
+def a2a_bytes(out_q, out_kv, in_q, in_kv, d: int, dv: int, es: int, replicated: bool):
+    """``(forward sent, forward received, backward sent, backward received)`` bytes of one
+    member's all-to-alls, from the rows x heads it sends (``out_*``) and receives (``in_*``) of
+    query and KV heads (ints, or numpy arrays over ranks). Forward: q and KV out, outputs of
+    the others' tokens back. Backward: dout and each row's ``dout . out`` in the accumulator
+    dtype out (:mod:`.delta`), dq and dK/dV home; replicated KV heads also move the saved k
+    and v to heads again and send dK/dV home in the accumulator dtype. The plan report and the
+    ``auto`` estimate both price with this; ``tests/L1/test_a2a_stand_in.py`` holds it to the
+    bytes the schedule sends."""
+    acc = 8 if es == 8 else 4
+    q_w, o_w, kv_w = d * es, dv * es, (d + dv) * es
+    d_w, g_w = o_w + acc, (d + dv) * acc if replicated else kv_w
+    rep = int(replicated)
+    return (
+        out_q * q_w + out_kv * kv_w + in_q * o_w,
+        in_q * q_w + in_kv * kv_w + out_q * o_w,
+        out_q * d_w + in_q * q_w + in_kv * g_w + rep * out_kv * kv_w,
+        in_q * d_w + out_q * q_w + out_kv * g_w + rep * in_kv * kv_w,
+    )
 
 
 def _a2a_flat(flat: torch.Tensor, send_sizes: list[int], recv_sizes: list[int], group) -> torch.Tensor:
