@@ -29,6 +29,7 @@ from .groups import CPGroups, GroupInfo, cp_groups, ranks_crc
 from .masks import MaskSpec
 from .schedules import SCHEDULES, a2a, build_plan, prepare_plan
 from .schedules.common import Run, apply_sink, sink_grad
+from .schedules.delta import row_dot
 from .schedules.max_logit import new_max_logit, reduce_max_logit
 from .schedules.p2p import P2PPlan
 from .seq_layout import fixed_length_sharding, rows_to_thd, seq_to_thd, thd_to_seq
@@ -77,7 +78,7 @@ class _CPAttention(torch.autograd.Function):
         q, k, v, out, lse, offset = ctx.saved_tensors
         dout = dout.contiguous()
         dq, dk, dv = ctx.schedule.backward(ctx.run, dout, q, k, v, out, lse)
-        d_off = sink_grad(dout, out, lse, offset).to(offset.dtype) if ctx.needs_input_grad[3] else None
+        d_off = sink_grad(row_dot(dout, out), lse, offset).to(offset.dtype) if ctx.needs_input_grad[3] else None
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), d_off, None, None
 
 

@@ -206,7 +206,7 @@ class _A2AAttention(torch.autograd.Function):
         if offset is not None and ctx.needs_input_grad[3]:
             d_off = torch.zeros_like(offset)
             if h1 > h0:
-                d_off[h0:h1] = sink_grad(None, None, lse, offset[h0:h1], delta_h).to(offset.dtype)
+                d_off[h0:h1] = sink_grad(delta_h, lse, offset[h0:h1]).to(offset.dtype)
         out_h = stand_in(dout_h, delta_h) if h1 > h0 else None
         del delta_h
         if h1 > h0:  # the ring's: fp32 / fp64, dK and dV apart (adopted kernel outputs, no packed zeros)

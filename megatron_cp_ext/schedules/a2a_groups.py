@@ -168,7 +168,7 @@ def backward(
         (a, b), (ka, kb) = q_j[me], kv_j[me]
         lse_j = lse[:, a - h0 : b - h0]
         if d_off is not None and b > a:
-            d_off[a:b] = sink_grad(None, None, lse_j, offset[a:b], delta_h).to(offset.dtype)
+            d_off[a:b] = sink_grad(delta_h, lse_j, offset[a:b]).to(offset.dtype)
         out_h = stand_in(dout_h, delta_h) if b > a else None
         del delta_h
         if b > a:

@@ -20,7 +20,6 @@ import torch
 
 from ..ops import LSE_FLOOR, gather_rows, index_add_rows, merge_partial
 from ..plan import VarlenCall
-from .delta import row_dot
 
 __all__ = [
     "Run",
@@ -302,14 +301,9 @@ def apply_sink(out: torch.Tensor, lse: torch.Tensor, offset: torch.Tensor) -> tu
     return out * torch.exp(lse - lse_t).unsqueeze(-1), lse_t
 
 
-def sink_grad(
-    dout: torch.Tensor | None, out: torch.Tensor | None, lse: torch.Tensor, offset: torch.Tensor,
-    delta: torch.Tensor | None = None,
-) -> torch.Tensor:  # fmt: skip
+def sink_grad(delta: torch.Tensor, lse: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
     """d loss / d offset of this rank's queries (the caller's data-parallel reduction sums the
-    ranks): the sink's probability times minus the row's ``dout . out`` (``delta`` where the
-    caller has it already, ``[N, H]``; then ``dout`` and ``out`` are not read)."""
+    ranks): the sink's probability times minus each row's ``dout . out`` (``delta``, ``[N, H]``,
+    from :func:`.delta.row_dot`; ``a2a`` has it in head layout already)."""
     p = torch.exp(offset.to(lse.dtype)[None, :] - lse)  # lse includes the sink: finite
-    if delta is None:
-        delta = row_dot(dout, out)
     return -(p * delta.to(lse.dtype)).sum(0)

@@ -18,12 +18,15 @@ all-to-alls move flat buffers with element split sizes rather than equal rows.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 __all__ = ["split_heads", "to_heads", "from_heads", "head_room", "heads_into", "a2a_bytes"]
 
 Range = tuple[int, int]
+Count = int | np.ndarray
+"""A count of bytes or rows x heads: one member's, or every rank's as an array."""
 
 
 def split_heads(hq: int, hkv: int, a: int) -> tuple[tuple[Range, ...], tuple[Range, ...]]:
@@ -43,7 +46,9 @@ def split_heads(hq: int, hkv: int, a: int) -> tuple[tuple[Range, ...], tuple[Ran
     return tuple(q), tuple(kv)
 
 
-def a2a_bytes(out_q, out_kv, in_q, in_kv, d: int, dv: int, es: int, replicated: bool):
+def a2a_bytes(
+    out_q: Count, out_kv: Count, in_q: Count, in_kv: Count, d: int, dv: int, es: int, replicated: bool
+) -> tuple[Count, Count, Count, Count]:
     """``(forward sent, forward received, backward sent, backward received)`` bytes of one
     member's all-to-alls, from the rows x heads it sends (``out_*``) and receives (``in_*``) of
     query and KV heads (ints, or numpy arrays over ranks). Forward: q and KV out, outputs of
