@@ -30,8 +30,8 @@ from ..masks import MaskSpec
 from ..ops import LSE_FLOOR
 from ..sharding import CPSharding
 from . import a2a_groups, p2p
-from .common import KV, GradAcc, OutAcc, Run, acc_dtype, apply_sink, new_accumulators, sink_grad, step_forward, take
-from .delta import row_dot, stand_in
+from .common import KV, GradAcc, OutAcc, Run, acc_dtype, apply_sink, new_accumulators, step_forward, take
+from .delta import row_dot
 from .heads import from_heads, head_room, split_heads, to_heads
 from .p2p_plan import plan_narrow, split_wide
 
@@ -196,19 +196,12 @@ class _A2AAttention(torch.autograd.Function):
         # the kernel reads the output only for each row's dout . out: that moves to heads, not
         # the output (:mod:`.delta`)
         dout = dout.contiguous()
-        delta = row_dot(dout, y)
+        delta = row_dot(dout, y).unsqueeze(-1)
         del y
-        dout_h = to_heads(dout, q_parts, plan.counts, me, group, perm, exact=False)
-        delta_h = to_heads(delta.unsqueeze(-1), q_parts, plan.counts, me, group, perm, exact=False)[..., 0]
-        del delta
         h0, h1 = q_parts[me]
-        d_off = None
-        if offset is not None and ctx.needs_input_grad[3]:
-            d_off = torch.zeros_like(offset)
-            if h1 > h0:
-                d_off[h0:h1] = sink_grad(delta_h, lse, offset[h0:h1]).to(offset.dtype)
-        out_h = stand_in(dout_h, delta_h) if h1 > h0 else None
-        del delta_h
+        d_off = torch.zeros_like(offset) if offset is not None and ctx.needs_input_grad[3] else None
+        dout_h, out_h = a2a_groups.rows_to_heads(dout, delta, q_parts, plan.counts, me, group, perm, lse, offset, d_off)
+        del delta
         if h1 > h0:  # the ring's: fp32 / fp64, dK and dV apart (adopted kernel outputs, no packed zeros)
             saved = [dout_h, q_h, out_h, lse]  # handed over: the ring keeps only the rows it reads
             del dout_h, out_h

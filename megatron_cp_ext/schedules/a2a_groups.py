@@ -35,7 +35,9 @@ from .common import KV, acc_dtype, sink_grad
 from .delta import row_dot, stand_in
 from .heads import Range, heads_into, to_heads
 
-__all__ = ["MIN_GROUP_BYTES", "RING_MIN_GROUP_BYTES", "GROUPS", "group_parts", "valid", "choose", "backward"]
+__all__ = [
+    "MIN_GROUP_BYTES", "RING_MIN_GROUP_BYTES", "GROUPS", "group_parts", "valid", "choose", "rows_to_heads", "backward",
+]  # fmt: skip
 
 MIN_GROUP_BYTES = 1 << 20
 """Smallest dout all-to-all per member and group (bytes) worth splitting for. An all-to-all
@@ -135,6 +137,32 @@ def choose(heads, counts: list[int], hq: int, hkv: int, d: int, dv: int, dtype: 
     return best
 
 
+def rows_to_heads(
+    dout: torch.Tensor,
+    delta: torch.Tensor,
+    q_parts: tuple[Range, ...],
+    counts: list[int],
+    me: int,
+    group,
+    perm: torch.Tensor,
+    lse: torch.Tensor,
+    offset: torch.Tensor | None,
+    d_off: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``dout`` (token layout) and each row's ``dout . out`` (``delta``, ``[t, H, 1]``) moved
+    to this member's query heads ``q_parts[me]``: returns ``dout_h`` and the output's stand-in
+    (:mod:`.delta`; ``None`` without heads), and writes those heads' sink gradient into
+    ``d_off`` (when given) from the moved row terms, whose ``lse`` they share."""
+    dout_h = to_heads(dout, q_parts, counts, me, group, perm, exact=False)
+    delta_h = to_heads(delta, q_parts, counts, me, group, perm, exact=False)[..., 0]
+    a, b = q_parts[me]
+    if b <= a:
+        return dout_h, None
+    if d_off is not None:
+        d_off[a:b] = sink_grad(delta_h, lse, offset[a:b]).to(offset.dtype)
+    return dout_h, stand_in(dout_h, delta_h)
+
+
 def backward(
     ring, block_backward, plan, group, heads, tensors, offset, want_off: bool, shape, groups: int, wide: bool = False
 ):
@@ -163,14 +191,9 @@ def backward(
     delta = row_dot(dout, y).unsqueeze(-1)  # each row's dout . out: moved instead of the output
     del y
     for q_j, kv_j in parts:
-        dout_h = to_heads(dout, q_j, counts, me, group, perm, exact=False)
-        delta_h = to_heads(delta, q_j, counts, me, group, perm, exact=False)[..., 0]
         (a, b), (ka, kb) = q_j[me], kv_j[me]
         lse_j = lse[:, a - h0 : b - h0]
-        if d_off is not None and b > a:
-            d_off[a:b] = sink_grad(delta_h, lse_j, offset[a:b]).to(offset.dtype)
-        out_h = stand_in(dout_h, delta_h) if b > a else None
-        del delta_h
+        dout_h, out_h = rows_to_heads(dout, delta, q_j, counts, me, group, perm, lse_j, offset, d_off)
         if b > a:
             saved = [dout_h, q_h[:, a - h0 : b - h0], out_h, lse_j]  # handed over
             del dout_h, out_h
