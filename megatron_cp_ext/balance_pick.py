@@ -171,6 +171,9 @@ class Search:
 
     slack = WORK_SLACK
     bound_max = WORK_BOUND
+    FIRST, DUAL = 0, 1
+    """Indices of the two candidates every search starts with: the default workload pass and
+    the dual-chunk split (the further passes follow them)."""
 
     def __init__(self, lens: np.ndarray, counts: list[int], mask: MaskSpec, dualchunk: Callable[[], Segs]) -> None:
         self.lens, self.counts, self.mask = lens, counts, mask
@@ -187,6 +190,10 @@ class Search:
         self.mean = max(scored[0].mean(), 1e-30)  # every candidate's: the batch's work over the ranks
         self._add(first, scored)
         self._add(dualchunk())
+
+    def dualchunk(self) -> Segs:
+        """The dual-chunk split, the search's second candidate."""
+        return self.cands[self.DUAL]
 
     def _add(self, segs: Segs, scored: tuple[np.ndarray, float] | None = None) -> None:
         work, tiles = self.score(segs) if scored is None else scored
@@ -226,12 +233,12 @@ class Search:
 
     def choose(self) -> int:
         """Index of the candidate the estimates pick (see :func:`pick`)."""
-        imb, tiles = self.imb, self.tiles
-        bound = min(imb[1] + WORK_SLACK, WORK_BOUND)
-        if imb[0] <= bound and (tiles[0] <= tiles[1] or imb[1] > bound):
-            return 0
-        if imb[0] <= bound:  # trade tiles for at most one token's share of work, never more
-            bound = min(bound, imb[0] + WORK_SLACK)
+        imb, tiles, a, d = self.imb, self.tiles, self.FIRST, self.DUAL
+        bound = min(imb[d] + WORK_SLACK, WORK_BOUND)
+        if imb[a] <= bound and (tiles[a] <= tiles[d] or imb[d] > bound):
+            return a
+        if imb[a] <= bound:  # trade tiles for at most one token's share of work, never more
+            bound = min(bound, imb[a] + WORK_SLACK)
         # a pass with one rank over the bound is inadmissible; while one of the first two is
         # admissible, such a pass cannot be picked (else the least imbalanced one is)
         give_up = bound if min(imb) <= bound else None
@@ -265,7 +272,7 @@ def pick(
         search = Search(lens, counts, mask, dualchunk)
         chosen = search.choose()
         segs = refine(search, chosen) if TILE_STEP else search.cands[chosen]
-        dualchunk = lambda: search.cands[1]  # noqa: E731 - already built (and scored) by the search
+        dualchunk = search.dualchunk  # already built (and scored) by the search
     if PATH_STEP and refs is not None:
         segs = shorter_reference(lens, counts, mask, segs, dualchunk, refs)
     return segs
@@ -332,24 +339,25 @@ def refine(search: Search, chosen: int) -> Segs:
     """The picked candidate, or, where it misses the tile goal by at most :data:`REACH`, the
     admissible candidate with the smallest largest-rank tile area (then total area, work,
     order)."""
-    useful = float(search.work[0].sum())
+    a, d = search.FIRST, search.DUAL
+    useful = float(search.work[a].sum())
     need = max(useful / GOAL, search.unsharded_area() / GOAL_OF_ONE)  # largest total area meeting the goal
-    if chosen == 1 or len(search.counts) > MAX_RANKS or search.tiles[chosen] > REACH * ESTIMATE_HIGH * need:
+    if chosen == d or len(search.counts) > MAX_RANKS or search.tiles[chosen] > REACH * ESTIMATE_HIGH * need:
         return search.cands[chosen]  # dual-chunk's pieces (every document on every rank) stay
     area = rank_tiles([search.cands[chosen]], search.mask)[0]
     if not need < area.sum() <= REACH * need:
         return search.cands[chosen]
     imb = search.imb
-    if imb[1] <= search.bound_max or len(search.lens) == 1:  # dual-chunk's rules and the slack hold
-        bound = min(imb[1] + search.slack, search.bound_max)
-        if imb[0] <= bound:
-            bound = min(bound, imb[0] + search.slack)
+    if imb[d] <= search.bound_max or len(search.lens) == 1:  # dual-chunk's rules and the slack hold
+        bound = min(imb[d] + search.slack, search.bound_max)
+        if imb[a] <= bound:
+            bound = min(bound, imb[a] + search.slack)
         passes = search.passes()
     else:  # only the 3 % goal binds
         bound, passes = search.bound_max, search.passes(LOOSE)
     for tol, rev in passes:
         search.run(tol, rev, bound)
-    ok = [k for k in range(2, len(search.cands)) if k != chosen and imb[k] <= bound]
+    ok = [k for k in range(len(search.cands)) if k not in (a, d, chosen) and imb[k] <= bound]
     if not ok:
         return search.cands[chosen]
     areas = rank_tiles([search.cands[k] for k in ok], search.mask)
