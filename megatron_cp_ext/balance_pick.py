@@ -312,10 +312,10 @@ def shorter_reference(
     cp, docs = len(counts), int(np.count_nonzero(lens))
     if lens.max(initial=0) <= max(counts) or docs * 2 * cp > PATH_PIECES:
         return segs
-    work = rank_work(lens, segs, mask)
-    mean = max(work.mean(), 1e-30)
     dual = dualchunk()  # the mask's even-work split: dual-chunk under a window or chunks
-    imb_dual = rank_work(lens, dual, mask).max() / mean
+    work_dual = rank_work(lens, dual, mask)
+    mean = max(work_dual.mean(), 1e-30)  # every split's (exact pair counts: the same sum)
+    imb_dual = work_dual.max() / mean
     bound = min(WORK_BOUND, imb_dual + WORK_SLACK)
     cands = [(refs.in_order(), None)]
     if docs * cp * cp <= PATH_PAIRS:
