@@ -11,7 +11,8 @@ value per query row and head), moved to heads (``1 / (Dv * itemsize / 4)`` of th
 :func:`stand_in` builds ``x`` there from ``dout`` itself: zeros except at the row's two largest
 ``|dout|`` entries, ``x_k = delta / dout_k`` rounded, and ``x_l`` carrying the rounding
 remainder. Written in the input dtype, ``sum_d dout_d * x_d`` then equals ``delta`` to about
-twice the input's precision (bf16: ~2^-17 relative; a single entry would give 2^-9, enough to
+twice the input's precision of the row's magnitude ``sum_d |dout_d * out_d|``, the scale of any
+kernel's own rounding of ``delta`` (bf16: ~2^-17; a single entry would give 2^-9, enough to
 show in the gradients where ``dout . v`` hardly varies over the keys), so the gradients match
 those from the moved output to the kernel's own rounding (``tests/L1/test_a2a_stand_in.py``).
 A row whose ``dout`` is zero gets ``x = 0`` (``delta`` is 0 there too); a NaN or inf in a row's

@@ -17,8 +17,11 @@ from megatron_cp_ext.testing.inproc import run_threads
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64]
 PRECISION = {torch.bfloat16: 2e-5, torch.float16: 2e-6, torch.float32: 2e-7, torch.float64: 1e-15}
-"""Largest relative error of ``dout . stand_in`` against the row term: about twice the 16-bit
-inputs' precision (two entries), the input's own for fp32 and fp64 (one)."""
+"""Largest error of ``dout . stand_in`` against the row term, relative to the row's magnitude
+``sum_d |dout_d * out_d|`` (the scale any kernel's rounding of the row term follows; relative
+to the term itself, a cancelling fp16 row reaches the subnormal floor of the second entry):
+about twice the 16-bit inputs' precision (two entries; one entry misses by 1e-4 and more), the
+input's own for fp32 and fp64 (one)."""
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -38,7 +41,8 @@ def test_stand_in_gives_the_row_term(dtype):
     got = (dout.double() * x.double()).sum(-1)
     nan = torch.isnan(want)
     assert torch.equal(torch.isnan(got), nan) and nan.sum() == 1
-    rel = (got - delta.double()).abs() / delta.double().abs().clamp_min(1e-30)
+    scale = (dout.double() * out.double()).abs().sum(-1)
+    rel = (got - delta.double()).abs() / scale.clamp_min(1e-30)
     assert rel[~nan].max() <= PRECISION[dtype]
     assert torch.equal(x[3], torch.zeros_like(x[3]))
 
