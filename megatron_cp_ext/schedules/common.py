@@ -111,9 +111,14 @@ class GradAcc:
     widened: one op instead of a zero fill and an add, the same values (``0 + x`` is ``x``;
     only a ``-0.0`` stays ``-0.0`` instead of becoming ``+0.0``) and the same memory."""
 
-    def __init__(self, like: torch.Tensor, into: torch.Tensor | None = None) -> None:
+    def __init__(self, like: torch.Tensor, into: torch.Tensor | None = None, keep: bool = False) -> None:
         self.shape, self.dtype, self.device = like.shape, acc_dtype(like), like.device
         self.t: torch.Tensor | None = None
+        self.keep = keep
+        """The caller adds one partial only and rounds the result to the input dtype itself (a
+        rank's single call): a 16-bit partial over every row is kept as it is, not widened —
+        no widened copy and no rounding back (the same values). Should a second partial come
+        after all, the kept one is widened first."""
         self._into = into
         """A caller's buffer (``like``'s shape, the accumulator dtype; a head slice of a larger
         accumulator) to accumulate into: the first partial covering every row is copied into it,
@@ -122,6 +127,8 @@ class GradAcc:
         """Row-slice views of ``t`` by slice: the steps add into the same few slices again."""
 
     def add(self, sl: tuple[int, int] | None, idx: torch.Tensor | None, src: torch.Tensor) -> None:
+        if self.t is not None and self.t.dtype != self.dtype:  # a kept 16-bit partial gets company
+            self.t, self._rows = self.t.to(self.dtype), {}
         if self.t is None and self._into is not None:
             self.t, self._into = self._into, None
             if sl == (0, self.shape[0]) and src.shape == self.shape:
@@ -130,8 +137,11 @@ class GradAcc:
             self.t.zero_()
         if self.t is None:
             if sl == (0, self.shape[0]) and src.shape == self.shape:
-                if src.dtype != self.dtype:
+                if src.dtype != self.dtype and not self.keep:
                     self.t = src.to(self.dtype, memory_format=torch.contiguous_format)
+                    return
+                if src.dtype != self.dtype:
+                    self.t = src.contiguous()
                     return
                 if src.is_contiguous():
                     self.t = src
@@ -180,8 +190,11 @@ class OutAcc:
     (a2a's single call, the rings' own whole-query call). A 16-bit partial becomes it widened:
     two fp32 ``[t, H, Dv]`` buffers fewer (the zeros and the merge's widened copy)."""
 
-    def __init__(self, q: torch.Tensor, dv: int) -> None:
+    def __init__(self, q: torch.Tensor, dv: int, keep: bool = False) -> None:
         self.q, self.dv = q, dv
+        self.keep = keep
+        """As :class:`GradAcc`'s: one partial only, rounded by the caller, so a 16-bit partial
+        over every query row is kept as it is (widened first should a second merge come)."""
         self.out: torch.Tensor | None = None
         self.lse: torch.Tensor | None = None
         self._rows: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -194,10 +207,12 @@ class OutAcc:
                 # empty rows: a kernel's -inf (or flash's +inf) lse becomes the finite floor the
                 # merges and backwards expect; NaN stays NaN. A 16-bit partial is widened: the
                 # same bits as merging it into zeros, without the zeros
-                self.out = o if o.dtype == dtype else o.to(dtype)
+                self.out = o if o.dtype == dtype or self.keep else o.to(dtype)
                 self.lse = lse_c.nan_to_num_(nan=float("nan"), posinf=LSE_FLOOR, neginf=LSE_FLOOR)
                 return
             self.out, self.lse = new_accumulators(self.q, self.dv)
+        elif self.out.dtype != self.lse.dtype:  # a kept 16-bit partial gets company
+            self.out, self._rows = self.out.to(self.lse.dtype), {}
         if sl is not None:
             views = self._rows.get(sl)
             if views is None:
