@@ -25,25 +25,37 @@ import torch
 
 __all__ = ["row_dot", "stand_in"]
 
-_BMM_DTYPE = hasattr(torch.ops.aten.bmm, "dtype")
-"""Whether this torch has ``bmm(..., out_dtype)`` (16-bit inputs, fp32 result, on CUDA)."""
+CHUNK_BYTES = 128 << 20
+"""fp32 bytes of one row chunk of :func:`row_dot`'s widened 16-bit operands on CUDA."""
 
 
 def row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``sum_d a[..., d] * b[..., d]`` over the last dim in the accumulator dtype (fp32, fp64
-    for fp64): ``[t, H, D] x [t, H, D] -> [t, H]``, the products never rounded to 16 bits."""
+    for fp64): ``[t, H, D] x [t, H, D] -> [t, H]``, the products never rounded to 16 bits.
+
+    16-bit inputs on CUDA are widened a row chunk at a time (:data:`CHUNK_BYTES`) and reduced
+    elementwise: a product of two 16-bit values is exact in fp32 (a batched ``bmm`` of
+    ``[1, D] x [D, 1]`` rows runs as cuBLAS matrix-vector kernels, slow at this shape)."""
     if a.dtype != b.dtype:  # mixed inputs: both widened (not a2a's path: dout has the output's dtype)
         common = torch.float64 if torch.float64 in (a.dtype, b.dtype) else torch.float32
         a, b = a.to(common), b.to(common)
     lead, d = a.shape[:-1], a.shape[-1]
-    a3, b3 = a.reshape(-1, 1, d), b.reshape(-1, d, 1)
     wide = a.dtype in (torch.float32, torch.float64)
-    if wide and a.is_cuda:  # no TF32 matmul for these (flash takes 16-bit: test sizes only)
-        return (a * b).sum(-1)
+    if a.is_cuda:  # no TF32 matmul for wide inputs; 16-bit ones widened by chunks
+        if wide:
+            return (a * b).sum(-1)
+        a2, b2 = a.reshape(-1, d), b.reshape(-1, d)
+        out = a2.new_empty(a2.shape[0], dtype=torch.float32)
+        step = max(1, CHUNK_BYTES // max(1, 4 * d))
+        for i in range(0, a2.shape[0], step):
+            x = a2[i : i + step].float()
+            x.mul_(b2[i : i + step])
+            torch.sum(x, -1, out=out[i : i + step])
+            del x
+        return out.view(lead)
+    a3, b3 = a.reshape(-1, 1, d), b.reshape(-1, d, 1)
     if wide:
         return torch.bmm(a3, b3).view(lead)
-    if a.is_cuda and _BMM_DTYPE:
-        return torch.bmm(a3, b3, out_dtype=torch.float32).view(lead)
     return torch.bmm(a3.float(), b3.float()).view(lead)  # CPU 16-bit: widened copies (tests)
 
 
@@ -59,7 +71,11 @@ def stand_in(dout: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         return torch.empty_like(dout)
     two = dout.element_size() < 4 and width > 1
     mag = dout.abs()
-    top = mag.topk(2, dim=-1).indices if two else mag.argmax(-1, keepdim=True)
+    top = mag.argmax(-1, keepdim=True)
+    if two:  # the second largest: the largest with the first masked, so two distinct entries
+        # (two reductions: a topk over every row was the backward's costliest op on a GPU)
+        second = mag.scatter_(-1, top, -1).argmax(-1, keepdim=True)
+        top = torch.cat([top, second], dim=-1)
     del mag
     at = dout.gather(-1, top).to(delta.dtype)
     at += at == 0
