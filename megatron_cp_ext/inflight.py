@@ -17,8 +17,13 @@ before its wait. :func:`reuse_hazards` checks an allocator trace against the led
 in-flight windows: an allocation overlapping a buffer between its post and its wait, on any
 stream, is a reuse. On CUDA the ledger tags allocations with its sequence number
 (``torch.cuda.memory._set_memory_metadata`` where torch has it), so the trace of
-``torch.cuda.memory._record_memory_history`` orders exactly against posts and waits. When no
-ledger is installed, posting costs one list lookup.
+``torch.cuda.memory._record_memory_history`` orders allocations against posts and waits. The
+allocator keeps that tag per thread: an allocation tagged ``s`` came after its own thread's
+tick ``s`` and before that thread's next tick, while other threads (the ranks of
+:func:`.testing.inproc.run_threads`) may tick in between. So a reuse is reported only where
+that whole interval lies inside the buffer's window: exact with one thread per process (every
+rank's own reuse), and never a guess across threads. When no ledger is installed, posting costs
+one list lookup.
 """
 
 from __future__ import annotations
@@ -69,10 +74,13 @@ class Ledger:
         self.buffers: list[InFlight] = []
         self.waited: dict[int, int] = {}
         """Batch id -> sequence number of its wait."""
+        self.thread_of: dict[int, int] = {}
+        """Sequence number -> the thread that ticked it (allocation tags are per thread)."""
         self.violations: list[str] = []
 
     def _tick(self) -> int:  # under the lock
         self._seq += 1
+        self.thread_of[self._seq] = threading.get_ident()
         if self._tag:
             torch.cuda.memory._set_memory_metadata(f"{SEQ_TAG}{self._seq}")
         return self._seq
@@ -102,6 +110,18 @@ class Ledger:
     def windows(self) -> list[tuple[InFlight, int]]:
         """Each buffer with the sequence number of its batch's wait (``-1``: never waited)."""
         return [(b, self.waited.get(b.batch, -1)) for b in self.buffers]
+
+    def next_ticks(self) -> dict[int, int]:
+        """Sequence number -> the next one its thread ticked (absent for a thread's last): an
+        allocation tagged ``s`` happened before ``next_ticks()[s]``."""
+        last: dict[int, int] = {}
+        out: dict[int, int] = {}
+        for seq in sorted(self.thread_of):
+            th = self.thread_of[seq]
+            if th in last:
+                out[last[th]] = seq
+            last[th] = seq
+        return out
 
     def summary(self) -> dict:
         batches = {b.batch for b in self.buffers}
@@ -139,19 +159,26 @@ def trace_allocs(snapshot: dict) -> list[dict]:
     return out
 
 
-def reuse_hazards(windows: list[tuple[InFlight, int]], allocs: list[dict]) -> list[str]:
+def reuse_hazards(
+    windows: list[tuple[InFlight, int]], allocs: list[dict], next_ticks: dict[int, int] | None = None
+) -> list[str]:
     """Allocations that overlap a buffer while it is in flight.
 
-    An allocation tagged ``seq = s`` happened after ledger event ``s`` and before ``s + 1``; a
-    buffer is in flight from its post ``p`` until its wait ``w`` (``-1``: never waited, in
-    flight to the end), so ``p <= s < w`` with overlapping bytes is a reuse — across streams
-    when the allocation's stream differs from the post's. Untagged allocations are skipped.
+    An allocation tagged ``seq = s`` happened after ledger event ``s`` and before the next
+    event of the thread that ticked ``s`` (``next_ticks``, :meth:`Ledger.next_ticks`; without
+    it, before ``s + 1``: one thread); a buffer is in flight from its post ``p`` until its wait
+    ``w`` (``-1``: never waited, in flight to the end), so ``p <= s`` and the allocation's next
+    tick ``<= w`` with overlapping bytes is a reuse — across streams when the allocation's
+    stream differs from the post's. Untagged allocations are skipped.
     """
     out = []
     for b, w in windows:
         for a in allocs:
             s = a["seq"]
-            if s is None or s < b.posted or (w >= 0 and s >= w):
+            if s is None or s < b.posted:
+                continue
+            before = s + 1 if next_ticks is None else next_ticks.get(s)  # the allocation came before this
+            if w >= 0 and (before is None or before > w):
                 continue
             if a["addr"] < b.addr + b.nbytes and b.addr < a["addr"] + a["size"]:
                 across = " across streams" if a["stream"] != b.stream else ""

@@ -84,3 +84,22 @@ def test_reuse_hazards_on_a_trace():
         {"addr": 16, "size": 512, "stream": 5, "seq": 9},
         {"addr": 32, "size": 512, "stream": 0, "seq": None},
     ]
+
+
+def test_reuse_hazards_with_per_thread_tags():
+    """The allocator's tags are per thread: an allocation tagged 4 by a thread whose next tick
+    is 9 may have come after the wait at 5 (not a reuse); one tagged 3 by a thread that ticks
+    again at 5 came before the wait (a reuse)."""
+    ledger = inflight.Ledger(tag_allocations=False)
+    ledger.thread_of = {3: 1, 4: 2, 5: 1, 9: 2, 10: 1}
+    nxt = ledger.next_ticks()
+    assert nxt == {3: 5, 4: 9, 5: 10}
+    buf = inflight.InFlight(batch=3, role="recv", addr=0x1000, nbytes=0x100, device="cuda:0", stream=0, posted=3)
+    allocs = [
+        {"addr": 0x1000, "size": 0x100, "stream": 0, "seq": 3},  # thread 1, before its tick 5: in flight
+        {"addr": 0x1000, "size": 0x100, "stream": 0, "seq": 4},  # thread 2, any time before 9
+        {"addr": 0x1000, "size": 0x100, "stream": 0, "seq": 10},  # thread 1's last tick: after the wait
+    ]
+    hazards = inflight.reuse_hazards([(buf, 5)], allocs, nxt)
+    assert len(hazards) == 1 and "allocated at 3" in hazards[0]
+    assert len(inflight.reuse_hazards([(buf, -1)], allocs, nxt)) == 3  # never waited
