@@ -131,7 +131,8 @@ def step_build(dry: bool) -> None:
 def run_tests(out: Path, budget: float, dry: bool) -> tuple[int, str]:
     """``tests/gpu`` with junit XML into DIR; the console tail goes to the suite's output."""
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "tests" / "gpu"),
-           f"--junitxml={out / 'tests.xml'}", "-o", "junit_family=xunit1"]  # fmt: skip
+           f"--junitxml={out / 'tests.xml'}", "-o", "junit_family=xunit1",
+           "-o", "junit_logging=system-out"]  # fmt: skip  # printed RESULT lines (the p2p overlap) kept
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=budget)
     return proc.returncode, (proc.stdout + proc.stderr)[-3000:]
 
@@ -175,12 +176,19 @@ def run_step(step: Step, out: Path, dry: bool) -> dict:
 
 
 def collect(out: Path) -> list[dict]:
-    """The ``RESULT`` lines of every step log."""
+    """The ``RESULT`` lines of every step log, and of the tests' captured output in the junit
+    XML (the p2p layer's overlap summary)."""
+    import xml.etree.ElementTree as ET
+
     rows = []
     for step in STEPS:
         path = out / step.log
-        if path.suffix == ".log" and path.exists():
-            rows += [json.loads(m) for m in re.findall(r"^RESULT (.*)$", path.read_text(), flags=re.M)]
+        if not path.exists():
+            continue
+        text = path.read_text()
+        if path.suffix == ".xml":
+            text = "\n".join(e.text or "" for e in ET.fromstring(text).iter("system-out"))
+        rows += [json.loads(m) for m in re.findall(r"^RESULT (.*)$", text, flags=re.M)]
     return rows
 
 

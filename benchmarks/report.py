@@ -64,6 +64,12 @@ def render(statuses: list[dict], rows: list[dict], dry: bool, total_s: float) ->
         cp_rows.append([r["comm"], r["mask"], r["cp"], f"{r['ms']:.2f}", f"{r['ratio']:.3f}",
                         "-" if goal is None else _mark(r["ratio"] <= goal), peak])  # fmt: skip
     lines += _table(["comm", "mask", "CP", "ms", "÷ one call", "goal met", "peak MiB per rank"], cp_rows)
+    lines += ["", "## Overlap of one p2p layer (CP 4 on one GPU, `tests/gpu/test_p2p_trace.py`)", ""]
+    lines += _table(["compute kernels", "transfers", "compute µs", "transfer µs", "overlap µs", "overlap ÷ transfer"], [
+        [r["compute_kernels"], r["transfers"], f"{r['compute_us']:.0f}", f"{r['transfer_us']:.0f}",
+         f"{r['overlap_us']:.0f}", f"{r['overlap_us'] / r['transfer_us']:.2f}" if r["transfer_us"] else "-"]
+        for r in rows if r["step"] == "overlap"
+    ])  # fmt: skip
     lines += ["", "## Cost-model calibration (`megatron_cp_ext/planner/calibration.json`)", ""]
     lines += _table(["profile", "fwd TFLOP/s", "bwd TFLOP/s", "launch µs", "source"], [
         [r["profile"], r["fwd_tflops"], r["bwd_tflops"], r["launch_us"], r["source"]] for r in by["calibration"]

@@ -11,6 +11,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import gpu_suite  # noqa: E402
+import report  # noqa: E402
 
 from megatron_cp_ext.backends import pick  # noqa: E402
 
@@ -45,6 +46,7 @@ def test_dry_run_runs_every_step(tmp_path):
     ):
         assert needle in report, needle
     assert "| h100-nvlink-ib400 |" in report
+    assert "## Overlap of one p2p layer" in report  # its row comes from a GPU run's tests.xml
     # the kernel pick table entry a GPU run would commit: valid, loadable, the CPU's kernel
     entry = json.loads(report.split("```json\n", 1)[1].split("```", 1)[0])
     table = tmp_path / "kernel_table.json"
@@ -54,3 +56,27 @@ def test_dry_run_runs_every_step(tmp_path):
                                                                   for t in (96, 384)}  # fmt: skip
     assert {r["kernel"] for r in rules} == {"reference"}
     assert not (ROOT / "megatron_cp_ext" / "backends" / "kernel_table.json").read_text().count('"cpu"')
+
+
+def test_profile_dry_run():
+    """``benchmarks/gpu_profile.py --dry-run``: the direct call, CP 1 and a ring run through the
+    same code as on a GPU and print their tables (the CPU profiler sees the main thread only)."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_profile.py"), "--dry-run", "--runs", "p2p:2,a2a:2"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    for needle in ("### direct backend call", "### cp_attention at CP 1", "### p2p at CP 2", "### a2a at CP 2"):
+        assert needle in proc.stdout, needle
+    assert "cp_attention CP 1: host" in proc.stdout
+
+
+def test_collect_reads_results_printed_by_tests(tmp_path):
+    """The p2p overlap summary a GPU test prints reaches the report through the junit XML."""
+    row = {"step": "overlap", "compute_kernels": 16, "transfers": 12, "compute_us": 900.0, "transfer_us": 200.0,
+           "overlap_us": 150.0, "streams": [7]}  # fmt: skip
+    out = f"<system-out>noise\nRESULT {json.dumps(row)}\n</system-out>"
+    xml = f"<testsuite><testcase name='t'>{out}</testcase></testsuite>"
+    (tmp_path / "tests.xml").write_text(xml.replace('"', "&quot;"))
+    assert gpu_suite.collect(tmp_path) == [row]
+    assert "| 16 | 12 | 900 | 200 | 150 | 0.75 |" in report.render([], [row], True, 1.0)[1]

@@ -7,7 +7,10 @@ step's compute and transfers and prints the summary for the device report.
 No allocator reuse across streams: the same layer runs under :func:`megatron_cp_ext.inflight.tracking`
 with the caching allocator's history recorded; every batch handed to a transfer was waited
 before release, and no allocation (on any stream) overlaps a buffer between its post and its
-wait (allocations are tagged with the ledger's sequence, so the trace orders exactly)."""
+wait (allocations are tagged with the ledger's sequence; the tags are per thread, so an
+allocation is placed between its own thread's ticks, :func:`megatron_cp_ext.inflight.reuse_hazards`)."""
+
+import json
 
 import pytest
 import torch
@@ -55,7 +58,7 @@ def test_p2p_layer_trace_summary():
     with torch.profiler.profile(activities=acts) as prof:
         run_threads(4, _layer, False, device="cuda", timeout=120)
     s = summarize(prof.events())
-    print("p2p layer trace:", s)
+    print("RESULT " + json.dumps({"step": "overlap", **s}))  # the device report's overlap row (tests.xml)
     assert s["compute_kernels"] >= 4 * 2  # every rank: its own block and at least one ring step, fwd and bwd
     assert s["transfers"] > 0  # the ring moved KV between ranks
 
@@ -80,4 +83,5 @@ def test_p2p_layer_no_allocator_reuse_across_streams():
     print("p2p layer transfers:", s)
     assert s["batches"] > 0 and s["unwaited"] == [] and s["violations"] == []
     assert s["tagged"] > 0  # the layer allocated between posts and waits, and the trace says when
-    assert inflight.reuse_hazards(ledger.windows(), allocs) == []
+    hazards = inflight.reuse_hazards(ledger.windows(), allocs, ledger.next_ticks())
+    assert hazards == [], f"{len(hazards)} hazards, e.g. {hazards[:3]}"
