@@ -12,20 +12,20 @@ from megatron_cp_ext.testing.accounting import Tracker, flash_stub
 LENS = [0, 37, 1, 90, 64]
 
 
-def _inputs(dtype, seed=0):
+def _case(causal: bool, dtype, seed: int = 0):
+    """cu_seqlens, the CP 1 sharding, and q, k, v, dout."""
+    cu = [0]
+    for n in LENS:
+        cu.append(cu[-1] + n)
     g = torch.Generator().manual_seed(seed)
-    t = sum(LENS)
-    return [torch.randn(t, h, 16, generator=g).to(dtype) for h in (4, 2, 2, 4)]  # q k v dout
+    qkvd = [torch.randn(cu[-1], h, 16, generator=g).to(dtype) for h in (4, 2, 2, 4)]
+    return cu, mcx.shard_sequences(cu, 1, causal=causal), qkvd
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("causal", [True, False])
 def test_cp1_runs_the_kernel_alone(dtype, causal):
-    cu = [0]
-    for n in LENS:
-        cu.append(cu[-1] + n)
-    sh = mcx.shard_sequences(cu, 1, causal=causal)
-    q, k, v, dout = _inputs(dtype)
+    _, sh, (q, k, v, dout) = _case(causal, dtype)
     q, k, v = (x.requires_grad_() for x in (q, k, v))
     mcx.cp_attention(q, k, v, cp_group=None, sharding=sh, causal=causal, backend="reference")  # plan built
     with flash_stub(), Tracker() as tr:
@@ -41,11 +41,7 @@ def test_cp1_runs_the_kernel_alone(dtype, causal):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("causal", [True, False])
 def test_cp1_equals_the_kernel(dtype, causal):
-    cu = [0]
-    for n in LENS:
-        cu.append(cu[-1] + n)
-    sh = mcx.shard_sequences(cu, 1, causal=causal)
-    q, k, v, dout = _inputs(dtype, seed=3)
+    cu, sh, (q, k, v, dout) = _case(causal, dtype, seed=3)
     cu_t = torch.tensor(cu, dtype=torch.int32)
     args = (cu_t, cu_t, max(LENS), max(LENS), causal, (-1, 0 if causal else -1), 16**-0.5)
     o_ref, lse = reference.attn_fwd(q, k, v, *args)
