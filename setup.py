@@ -34,6 +34,8 @@ setup(
         # nemo_run 0.11.1 fails to import with newer leptonai releases
         "nemo": ["nemo_run==0.11.1", "leptonai==0.27.3"],
         "gpu": ["flash-attn"],
+        # the cuDNN candidate (backends/cudnn.py): cudnn-frontend's graphs over torch's libcudnn
+        "cudnn": ["nvidia-cudnn-frontend>=1.32"],
         "plot": ["matplotlib"],
     },
     entry_points={"console_scripts": ["mcx-plan=megatron_cp_ext.planner.cli:main"]},

@@ -182,7 +182,8 @@ def bench_attention(s: Sizes, write: bool = False) -> None:
     from megatron_cp_ext.backends import pick
 
     kernels, timings = candidates(s), []
-    print("| kernel | mask | tokens | fwd ms | bwd ms | fwd TFLOP/s | bwd TFLOP/s |\n|---|---|---|---|---|---|---|")
+    print("| kernel | mask | tokens | fwd ms | bwd ms | fwd TFLOP/s | bwd TFLOP/s | first fwd+bwd ms |")
+    print("|---|---|---|---|---|---|---|---|")
     for tokens in s.pick_tokens:
         lens, cu, q, k, v = _batch(s, tokens=tokens)
         cu_d, mx = cu.to(s.device), max(lens)
@@ -199,8 +200,13 @@ def bench_attention(s: Sizes, write: bool = False) -> None:
                     print(f"| {kname} | {mname} | {tokens} | not expressible | | | |")
                     continue
                 try:
+                    sync = torch.cuda.synchronize if s.device == "cuda" else (lambda: None)
+                    t0 = time.perf_counter()
                     o, lse = kern.fwd(q, k, v, *args)
                     dout = torch.randn_like(o)
+                    kern.bwd(dout, q, k, v, o, lse, *args)
+                    sync()
+                    first = time.perf_counter() - t0  # graph builds / JIT compiles included
                     t_f = timed(lambda: kern.fwd(q, k, v, *args), s)  # noqa: B023
                     t_b = timed(lambda: kern.bwd(dout, q, k, v, o, lse, *args), s)  # noqa: B023
                 except Exception as exc:  # noqa: BLE001 - a failing candidate is reported, not picked
@@ -208,9 +214,10 @@ def bench_attention(s: Sizes, write: bool = False) -> None:
                     continue
                 fl = 4.0 * visible_pairs(lens, causal, win[0]) * s.hq * s.d
                 tf, tb = fl / t_f / 1e12, 2.5 * fl / t_b / 1e12
-                print(f"| {kname} | {mname} | {tokens} | {t_f * 1e3:.2f} | {t_b * 1e3:.2f} | {tf:.3g} | {tb:.3g} |")
+                print(f"| {kname} | {mname} | {tokens} | {t_f * 1e3:.2f} | {t_b * 1e3:.2f} | {tf:.3g} | {tb:.3g} | "
+                      f"{first * 1e3:.0f} |")  # fmt: skip
                 result(step="attention", kernel=kname, mask=mname, tokens=tokens, fwd_ms=t_f * 1e3,
-                       bwd_ms=t_b * 1e3, fwd_tflops=tf, bwd_tflops=tb)  # fmt: skip
+                       bwd_ms=t_b * 1e3, fwd_tflops=tf, bwd_tflops=tb, first_ms=first * 1e3)  # fmt: skip
                 timings.append({**{f: getattr(shape, f) for f in ("dtype", "d", "dv", "gqa", "mask")},
                                 "kernel": kname, "tokens": tokens, "seconds": t_f + t_b})  # fmt: skip
     cls = pick.device_class(torch.device(s.device))
@@ -221,6 +228,43 @@ def bench_attention(s: Sizes, write: bool = False) -> None:
     if write and s.device == "cuda":
         pick.write_entry(cls, entry)
         print(f"written to {pick.TABLE}: copy this entry into the repository's file")
+
+
+# ---- cuDNN graph reuse ---------------------------------------------------------------------------
+def bench_graphs(s: Sizes) -> None:
+    """cuDNN graphs built over 50 random micro-batches (CP 1 calls, causal and unmasked, forward
+    and backward; goal: none after the first 10), and what a looser length bucket costs."""
+    from megatron_cp_ext.backends import cudnn
+
+    if s.device != "cuda" or not cudnn.available():
+        print("cudnn candidate not available here: no graphs to count")
+        result(step="graphs", available=False)
+        return
+    tokens, built, sc = s.pick_tokens[0], [], 1 / math.sqrt(s.d)
+    for seed in range(50):
+        lens, cu, q, k, v = _batch(s, seed=100 + seed, tokens=tokens)
+        cu_d, mx = cu.to(s.device), max(lens)
+        before = cudnn.graph_counts()
+        for causal, window in ((True, (-1, 0)), (False, (-1, -1))):
+            o, lse = cudnn.attn_fwd(q, k, v, cu_d, cu_d, mx, mx, causal, window, sc)
+            cudnn.attn_bwd(o, q, k, v, o, lse, cu_d, cu_d, mx, mx, causal, window, sc)
+        after = cudnn.graph_counts()
+        built.append(after["fwd"] + after["bwd"] - before["fwd"] - before["bwd"])
+    torch.cuda.synchronize()
+    c = cudnn.graph_counts()
+    print(f"graphs built per micro-batch ({tokens} tokens, lognormal median {s.median_len}): {built}")
+    print(f"first 10: {sum(built[:10])}, last 40: {sum(built[10:])}; all graphs so far {c}")
+    lens, cu, q, k, v = _batch(s)
+    cu_d, mx = cu.to(s.device), max(lens)
+    t = {
+        f: timed(lambda f=f: cudnn.attn_fwd(q, k, v, cu_d, cu_d, f * mx, f * mx, True, (-1, 0), sc), s) for f in (1, 2)
+    }
+    print(
+        f"forward causal at {s.tokens} tokens: length bound = longest {t[1] * 1e3:.2f} ms, twice it {t[2] * 1e3:.2f} ms"
+    )
+    result(step="graphs", available=True, tokens=tokens, built=built, first10=sum(built[:10]),
+           last40=sum(built[10:]), build_s=c["build_s"], refused=c["refused"], fwd_ms_bound1=t[1] * 1e3,
+           fwd_ms_bound2=t[2] * 1e3)  # fmt: skip
 
 
 # ---- one-GPU CP and memory ------------------------------------------------------------------------
@@ -259,7 +303,7 @@ def bench_cp(s: Sizes) -> None:
     lens, cu, q, k, v = _batch(s)
     from megatron_cp_ext.backends import get_backend
 
-    mod = get_backend(torch.device(s.device), "flash" if s.device == "cuda" else "reference")
+    mod = get_backend(torch.device(s.device), "auto")  # the kernel cp_attention picks (MCX_KERNEL too)
     cu_d, mx = cu.to(s.device), max(lens)
     print("| comm | mask | CP | ms (fwd+bwd, all ranks) | ÷ one call | peak MiB / rank | ÷ ideal |")
     print("|---|---|---|---|---|---|---|")
@@ -320,7 +364,8 @@ def bench_calibration(s: Sizes, write: bool) -> None:
 
 STEPS = {
     "kernels": bench_kernels,
-    "attention": lambda s: bench_attention(s, write=True),
+    "attention": lambda s: (bench_attention(s, write=True), bench_graphs(s)),
+    "graphs": bench_graphs,  # also run by the suite's attention step
     "cp": bench_cp,
     "calibration": lambda s: bench_calibration(s, write=True),
 }

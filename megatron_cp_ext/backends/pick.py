@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
+import logging
 import os
 import re
 from collections.abc import Callable
@@ -34,7 +35,9 @@ import torch
 from . import cudnn, flash, reference
 
 __all__ = ["CallShape", "Kernel", "KERNELS", "DEFAULT_ORDER", "TABLE", "device_class", "device_class_of"]
-__all__ += ["call_shape", "pick", "available_kernels", "Picker", "load_table"]
+__all__ += ["call_shape", "pick", "pick_why", "available_kernels", "Picker", "load_table"]
+
+log = logging.getLogger("megatron_cp_ext.kernels")
 
 TABLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernel_table.json")
 """Measured picks per device class (``{"devices": {"H100": {"source": ..., "rules": [...]}}}``)."""
@@ -100,9 +103,8 @@ def _flash_ok(s: CallShape) -> bool:
 
 
 def _cudnn_ok(s: CallShape) -> bool:
-    """cuDNN through PyTorch's op: unmasked calls only (no window arguments, causal alignment
-    undocumented: :mod:`.cudnn`), fp16/bf16, head dims up to 128."""
-    return _half(s) and s.mask == "none" and s.dv <= s.d <= 128 and s.d % 8 == 0
+    """cuDNN through cudnn-frontend: fp16/bf16, head dims multiples of 8 up to 256, every mask."""
+    return s.dtype in ("fp16", "bf16") and s.d % 8 == 0 and s.dv % 8 == 0 and max(s.d, s.dv) <= cudnn.MAX_HEAD_DIM
 
 
 def _cuda(device: torch.device) -> bool:
@@ -192,14 +194,24 @@ def pick(cls: str, s: CallShape, available: frozenset[str] | set[str], table: di
     override), the table's rule, then the default order — the first that is ``available`` and
     supports the call. When none qualifies, the first available of the default order (its own
     error then says why, as without a table)."""
+    return pick_why(cls, s, available, table, first)[0]
+
+
+def pick_why(cls: str, s: CallShape, available, table: dict, first: str | None = None) -> tuple[str, str]:
+    """:func:`pick` and the reason, in words (what was preferred and why it was passed over)."""
     entry = table.get("devices", {}).get(cls, {})
     ruled = next((r["kernel"] for r in entry.get("rules", []) if rule_matches(r, s)), None)
     default = DEFAULT_ORDER["cpu" if cls == "cpu" else "cuda"]
-    order = [n for n in (first, ruled, *default) if n is not None]
-    for name in order:
+    skipped = []
+    tries = ((first, "MCX_KERNEL"), (ruled, f"table rule for {cls}"), *((n, "default order") for n in default))
+    for name, why in tries:
+        if name is None:
+            continue
         if name in available and KERNELS[name].supports(s):
-            return name
-    return next((n for n in default if n in available), default[-1])
+            return name, why + "".join(f"; {x}" for x in skipped)
+        skipped.append(f"{name} ({why}) {'cannot express the call' if name in available else 'not available'}")
+    name = next((n for n in default if n in available), default[-1])
+    return name, "no candidate expresses the call; " + "; ".join(skipped)
 
 
 def available_kernels(device: torch.device) -> frozenset[str]:
@@ -227,7 +239,9 @@ class Picker:
     def kernel(self, s: CallShape) -> Kernel:
         k = self._memo.get(s)
         if k is None:
-            k = self._memo[s] = KERNELS[pick(self.device_class, s, self.available, self.table, self.first)]
+            name, why = pick_why(self.device_class, s, self.available, self.table, self.first)
+            k = self._memo[s] = KERNELS[name]
+            log.info("local attention kernel on %s for %s: %s (%s)", self.device_class, s, name, why)
         return k
 
     def _for(self, q, k, v, max_k: int, causal: bool, window: tuple[int, int]) -> Kernel:

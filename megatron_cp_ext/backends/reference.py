@@ -128,7 +128,9 @@ def _probs(qh, kh, vis, scale, lse=None):
     0 whatever the inputs hold; a NaN only reaches the rows and keys of its own entry.
     """
     e, hk, wk = kh.shape[0], kh.shape[1], kh.shape[2]
-    s = ((qh * scale) @ kh.transpose(-1, -2)).view(e, hk, -1, vis.shape[1], wk)
+    # explicit sizes: -1 is ambiguous when a group has no query rows or no keys (Wq or Wk = 0)
+    g = lse.shape[2] if lse is not None else qh.shape[2] // max(vis.shape[1], 1)
+    s = ((qh * scale) @ kh.transpose(-1, -2)).view(e, hk, g, vis.shape[1], wk)
     s = torch.where(vis[:, None, None], s, float("-inf"))
     if lse is None:
         lse = torch.logsumexp(s, dim=-1)

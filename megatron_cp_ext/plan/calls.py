@@ -97,7 +97,12 @@ class VarlenCall:
         call.q_slice, call.q_index = _slice_or_index(entries[:, 0], entries[:, 1])
         call.k_slice, call.k_index = _slice_or_index(entries[:, 2], entries[:, 3])
         call.cu_seqlens_q = torch.from_numpy(np.concatenate([[0], np.cumsum(lq)]).astype(np.int32))
-        call.cu_seqlens_k = torch.from_numpy(np.concatenate([[0], np.cumsum(lk)]).astype(np.int32))
+        # one tensor when every entry has as many keys as queries: kernels read the identity as
+        # "bottom-right and top-left alignment agree" (cuDNN's backward skips masked tiles only top-left)
+        same = np.array_equal(lq, lk)
+        call.cu_seqlens_k = (
+            call.cu_seqlens_q if same else torch.from_numpy(np.concatenate([[0], np.cumsum(lk)]).astype(np.int32))
+        )
         call.max_seqlen_q, call.max_seqlen_k = int(lq.max()), int(lk.max())
         return call
 
@@ -109,9 +114,11 @@ class VarlenCall:
 
     def to(self, device: torch.device) -> VarlenCall:
         move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+        cu_q = move(self.cu_seqlens_q)
+        cu_k = cu_q if self.cu_seqlens_k is self.cu_seqlens_q else move(self.cu_seqlens_k)  # identity kept
         return VarlenCall(
             self.causal, self.window, self.entries, self.q_slice, move(self.q_index), self.k_slice,
-            move(self.k_index), move(self.cu_seqlens_q), move(self.cu_seqlens_k), self.max_seqlen_q, self.max_seqlen_k,
+            move(self.k_index), cu_q, cu_k, self.max_seqlen_q, self.max_seqlen_k,
         )  # fmt: skip
 
 

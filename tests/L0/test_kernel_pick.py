@@ -6,6 +6,7 @@ candidates are simulated on the CPU by monkeypatching their availability and ker
 import dataclasses
 import itertools
 import json
+import logging
 
 import pytest
 import torch
@@ -50,12 +51,13 @@ def test_default_order_is_todays_choice():
 
 
 def test_cudnn_only_where_it_can_express_the_call():
-    picked = {s: pick.pick("H100", s, ALL, CUDNN_EVERYWHERE) for s in _grid()}
+    shapes = [*_grid(), _shape(d=320, dv=320), _shape(d=264, dv=128), _shape(d=128, dv=12)]
+    picked = {s: pick.pick("H100", s, ALL, CUDNN_EVERYWHERE) for s in shapes}
     for s, name in picked.items():
-        expressible = s.mask == "none" and s.dtype in ("bf16", "fp16") and s.d <= 128
+        expressible = s.dtype in ("bf16", "fp16") and s.d % 8 == 0 and s.dv % 8 == 0 and max(s.d, s.dv) <= 256
         assert (name == "cudnn") == expressible, (s, name)
         assert name != "reference"  # auto on CUDA never silently runs the slow exact kernel
-    assert sum(n == "cudnn" for n in picked.values()) == 2 * 2 * 2 * 3  # dtypes x dims x gqa x tokens
+    assert sum(n == "cudnn" for n in picked.values()) == 2 * 3 * 3 * 2 * 3  # dtypes x masks x dims x gqa x tokens
 
 
 def test_deterministic_and_memoised():
@@ -129,7 +131,15 @@ def test_picker_routes_each_call(monkeypatch):
     _call(p, False, (-1, -1))
     _call(p, True, (-1, 0))
     _call(p, True, (3, 0))
-    assert log == [("cudnn", "fwd"), ("cudnn", "bwd")] + [("flash_attn", "fwd"), ("flash_attn", "bwd")] * 2
+    assert log == [("cudnn", "fwd"), ("cudnn", "bwd")] * 3
+    # a candidate that cannot express a call: the next one runs it
+    log.clear()
+    k = pick.KERNELS["cudnn"]
+    monkeypatch.setitem(pick.KERNELS, "cudnn", dataclasses.replace(k, supports=lambda s: s.mask == "none"))
+    p = pick.Picker(torch.device("cpu"), table=CUDNN_EVERYWHERE)
+    _call(p, False, (-1, -1))
+    _call(p, True, (-1, 0))
+    assert log == [("cudnn", "fwd"), ("cudnn", "bwd"), ("flash_attn", "fwd"), ("flash_attn", "bwd")]
     # override: MCX_KERNEL first, where it can express the call
     log.clear()
     monkeypatch.setenv("MCX_KERNEL", "aten_flash")
@@ -172,3 +182,19 @@ def test_suite_entry_round_trip(tmp_path, monkeypatch):
         json.dump({"devices": {"H100": {"rules": [{"kernel": "fa9"}]}}}, f)
     with pytest.raises(ValueError, match="unknown kernel"):
         pick.load_table(path)
+
+
+def test_pick_is_logged_once_with_its_reason(monkeypatch, caplog):
+    log: list = []
+    _fake_cuda(monkeypatch, log)
+    monkeypatch.delenv("MCX_KERNEL", raising=False)
+    p = pick.Picker(torch.device("cpu"), table=CUDNN_EVERYWHERE)
+    with caplog.at_level(logging.INFO, logger="megatron_cp_ext.kernels"):
+        for _ in range(3):
+            _call(p, False, (-1, -1))
+    said = [r.getMessage() for r in caplog.records if "local attention kernel" in r.getMessage()]
+    assert len(said) == 1 and "cudnn (table rule for H100)" in said[0], said
+    name, why = pick.pick_why("H100", _shape(d=320, dv=320), ALL, CUDNN_EVERYWHERE)
+    assert name == "flash_attn" and "cudnn (table rule for H100) cannot express the call" in why
+    name, why = pick.pick_why("H100", _shape(), ALL - {"cudnn"}, CUDNN_EVERYWHERE)
+    assert name == "flash_attn" and "cudnn (table rule for H100) not available" in why

@@ -112,10 +112,10 @@ def test_candidates_match_reference_call_by_call(monkeypatch, mask, heads, dtype
 
 @pytest.mark.parametrize("mask", ["nomask", "causal", "bidir"])
 def test_auto_runs_the_table_pick(tmp_path, monkeypatch, mask):
-    """``backend="auto"`` with a table naming cuDNN for every call: cuDNN runs the calls it can
-    express, the flash kernels the others, and the layer matches ``backend="flash"``."""
+    """``backend="auto"`` with a table naming cuDNN for every call: cuDNN runs them all (it
+    expresses every mask), and the layer matches ``backend="flash"``."""
     if not pick.KERNELS["cudnn"].available(torch.device("cuda")):
-        pytest.skip("no cuDNN varlen attention in this torch")
+        pytest.skip("cudnn-frontend not installed")
     cls = pick.device_class(torch.device("cuda"))
     table = tmp_path / "table.json"
     pick.write_entry(cls, {"source": "test", "rules": [{"kernel": "cudnn"}]}, str(table))
@@ -132,4 +132,4 @@ def test_auto_runs_the_table_pick(tmp_path, monkeypatch, mask):
         b: mcx.cp_attention(q, k, v, cp_group=None, sharding=sh, backend=b, **MASKS[mask]) for b in ("auto", "flash")
     }
     torch.testing.assert_close(outs["auto"].float(), outs["flash"].float(), atol=2e-2, rtol=0)
-    assert ran and (set(ran) == {"cudnn"}) == (mask == "nomask"), ran
+    assert ran and set(ran) == {"cudnn"}, ran
