@@ -21,6 +21,7 @@ from functools import cached_property
 import numpy as np
 import torch
 
+from . import splits
 from .masks import MaskSpec
 from .validation import CPArgumentError, CPArgumentTypeError, as_int, as_ints
 
@@ -113,6 +114,12 @@ class CPSharding:
         state.pop("segments", None)
         return state
 
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        # a sharding that reaches this process (a data-loader worker split the batch with it) is
+        # the micro-batch's data split: layers check theirs against it (:mod:`.splits`)
+        splits.record(self)
+
     # ---- geometry -------------------------------------------------------------------------
     @property
     def num_seqs(self) -> int:
@@ -182,6 +189,7 @@ class CPSharding:
             raise CPArgumentError(
                 f"x has {x.shape[dim]} tokens along dim {dim}, cu_seqlens describe {self.total_tokens}"
             )
+        splits.record(self)  # the data split itself: a layer that would use another one refuses
         return x.index_select(dim, self.global_index(rank).to(x.device))
 
     def unshard(self, xs: Sequence[torch.Tensor], dim: int = 0) -> torch.Tensor:

@@ -1,4 +1,7 @@
-"""Suite-wide options: the length of the seeded fuzz run (``tests/L1/test_fuzz.py``)."""
+"""Suite-wide options: the length of the seeded fuzz run (``tests/L1/test_fuzz.py``); every test
+starts with no recorded data split (``megatron_cp_ext.splits``): tests are independent runs."""
+
+import pytest
 
 
 def pytest_addoption(parser):
@@ -19,3 +22,11 @@ def pytest_generate_tests(metafunc):
         n = getattr(metafunc.module, "FUZZ_ITERS", 40) if n is None else n
         first = metafunc.config.getoption("--fuzz-seed")
         metafunc.parametrize("fuzz_seed", range(first, first + n))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_split_record():
+    from megatron_cp_ext import splits
+
+    splits.clear()
+    yield

@@ -23,9 +23,11 @@ import torch
 import torch.distributed as dist
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from ..validation import CPArgumentError, as_int
+from ..sharding import CPSharding
+from ..validation import CPArgumentError, CPArgumentTypeError, as_int
 from .context import (
     CONTEXT_ATTR,
+    LAYOUTS,
     CPBatchContext,
     ShardRecipe,
     check_layout_name,
@@ -62,12 +64,13 @@ def make_packed_seq_params(
     cu_seqlens: torch.Tensor | Sequence[int],
     *,
     cp_group: dist.ProcessGroup | None = None,
-    balance: str = "workload",
+    balance: str | None = None,
     device: torch.device | str | None = None,
     causal: bool = True,
     window_size: tuple[int, int] | None = (-1, -1),
     chunk_size: int | None = None,
     token_multiple: int = 1,
+    sharding: CPSharding | None = None,
 ) -> PackedSeqParams:
     """A THD ``PackedSeqParams`` for one micro-batch, with the CP plan cache attached.
 
@@ -78,20 +81,27 @@ def make_packed_seq_params(
     balance balances under (any sharding is exact under any mask; the sharding travels with
     the params, so every layer uses this one whatever its own mask); ``window_size=None`` is
     Megatron's ``config.window_size`` for no window, as ``(-1, -1)``. ``balance="te"``:
-    TransformerEngine's THD split. ``token_multiple``: every rank's token count a multiple
-    of it (sequence parallelism needs the TP size).
+    TransformerEngine's THD split; default ``"workload"``. ``token_multiple``: every rank's
+    token count a multiple of it (sequence parallelism needs the TP size).
+
+    ``sharding``: the split the data already got (e.g. ``shard_sequences(...)`` whose ``shard``
+    split it, here or in a data-loader worker), instead of a ``balance``; the layers then use
+    exactly it. Its ``cu_seqlens`` and CP size must be these.
     """
     cu_cpu = torch.tensor(host_cu_seqlens(cu_seqlens), dtype=torch.int64)
     size, rank = _group_size_rank(cp_group)
     token_multiple = as_int(token_multiple, "token_multiple", minimum=1)
+    if sharding is not None:
+        _check_given(sharding, cu_cpu.tolist(), size, balance)
+        balance = sharding.balance if sharding.balance in LAYOUTS else "custom"
     recipe = ShardRecipe(
-        balance=check_layout_name(balance, "balance"),
+        balance=check_layout_name(balance or "workload", "balance") if sharding is None else balance,
         causal=causal,
         window_size=(-1, -1) if window_size is None else window_size,
         chunk_size=chunk_size,
         token_multiple=token_multiple,
     )
-    sharding = recipe.build(cu_cpu.tolist(), size)
+    sharding = sharding or recipe.build(cu_cpu.tolist(), size)
     check_token_multiple(sharding, token_multiple, f"token_multiple={token_multiple}")
     cu_dev = cu_cpu.to(torch.int32).to(device or "cpu", non_blocking=True)
     lengths = cu_cpu[1:] - cu_cpu[:-1]
@@ -107,6 +117,20 @@ def make_packed_seq_params(
     ctx = CPBatchContext(sharding=sharding, rank=rank, recipe=recipe, source=(cu_dev,), version=(version_of(cu_dev),))
     setattr(params, CONTEXT_ATTR, ctx)
     return params
+
+
+def _check_given(sharding: CPSharding, cu: list[int], cp_size: int, balance: str | None) -> None:
+    if not isinstance(sharding, CPSharding):
+        raise CPArgumentTypeError(f"sharding must be a megatron_cp_ext.CPSharding, got {type(sharding).__name__}")
+    if balance is not None:
+        raise CPArgumentError(f"pass either sharding or balance, not both (balance={balance!r})")
+    if list(sharding.cu_seqlens) != cu:
+        raise CPArgumentError(
+            f"sharding was made for other cu_seqlens ({sharding.num_seqs} sequences, {sharding.total_tokens} tokens) "
+            f"than these ({len(cu) - 1} sequences, {cu[-1]} tokens)"
+        )
+    if sharding.cp_size != cp_size:
+        raise CPArgumentError(f"sharding is for CP size {sharding.cp_size}, cp_group has {cp_size} ranks")
 
 
 def zigzag_positions(s_local: int, cp_size: int, rank: int) -> torch.Tensor:

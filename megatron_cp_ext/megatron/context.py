@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
+from .. import splits
 from ..sharding import BALANCES, CPSharding, check_cu_seqlens, shard_sequences
 from ..te_layout import TE_LAYOUT, separate_padding, te_thd_sharding
 from ..validation import CPArgumentError
@@ -27,6 +28,7 @@ __all__ = [
     "LAYOUTS",
     "CPBatchContext",
     "ShardRecipe",
+    "check_split",
     "check_token_multiple",
     "cp_context",
     "default_token_multiple",
@@ -79,6 +81,14 @@ class CPBatchContext:
     """The ``cu_seqlens`` tensors the context was derived from (detects a reused params object)."""
     version: tuple = ()
     """Their version counters then: an in-place refill bumps one, without a device sync."""
+    layout: CPSharding | None = None
+    """The split over ``cu_seqlens`` (or the padded ones) before padding became sequences of its
+    own: what the data's recorded split is compared with (:mod:`megatron_cp_ext.splits`);
+    ``None``: :attr:`sharding`."""
+    made_by: str = "carried by the PackedSeqParams (make_packed_seq_params / shard_batch_for_cp)"
+    """Where the split comes from, for messages."""
+    split_gen: int = -1
+    """:func:`megatron_cp_ext.splits.generation` when last checked against the data's split."""
     _positions: dict = field(default_factory=dict, repr=False)
 
     def positions(self, device: torch.device | str) -> torch.Tensor:
@@ -166,6 +176,35 @@ def _check_self_attention(params: PackedSeqParams) -> None:
             raise CPArgumentError(f"CP self-attention needs {kv_name} == {q_name} (the same packed batch)")
 
 
+def check_split(ctx: CPBatchContext) -> None:
+    """The layer's split is the one this process split the micro-batch's data with, or the same
+    :class:`CPArgumentError` on every rank (each rank split its own data the same way), naming
+    both splits and the fix. A generation compare when nothing new was split (every layer)."""
+    gen = splits.generation()
+    if ctx.split_gen == gen:
+        return
+    layout = ctx.layout or ctx.sharding
+    data = splits.recorded(layout.cu_seqlens, layout.cp_size)
+    mine = splits.layout_of(layout)
+    if data and all(d.fingerprint != mine.fingerprint for d in data):
+        layer = f"{splits.describe(mine)}, {ctx.made_by}"
+        raise CPArgumentError(_mismatch(data, layer, layout.cu_seqlens, layout.cp_size, mine))
+    ctx.split_gen = gen
+
+
+def _mismatch(data: tuple, layer: str, cu: tuple | list, cp_size: int, mine: splits.Split | None = None) -> str:
+    d = data[-1]
+    where = f"; {splits.first_difference(d, mine)}" if mine is not None else ""
+    also = f" (and {len(data) - 1} other split(s) of the same cu_seqlens)" if len(data) > 1 else ""
+    return (
+        f"CP split mismatch: this micro-batch's data ({len(cu) - 1} sequences, {cu[-1]} tokens, CP {cp_size}) was "
+        f"split by {splits.describe(d)}{also} with megatron_cp_ext (CPSharding.shard, shard_batch_for_cp, or a "
+        f"sharding received from a data-loader worker), but the attention layer would use {layer}{where}. Give the "
+        "layer the data's split: PackedSeqParams from megatron_cp_ext.megatron.make_packed_seq_params(cu_seqlens, "
+        "sharding=<the sharding that split the data>), or split and build both with shard_batch_for_cp"
+    )
+
+
 def derive_recipe(params: PackedSeqParams, balance: str) -> ShardRecipe:
     """The recipe for a plain ``PackedSeqParams`` (no sharding attached).
 
@@ -188,13 +227,32 @@ def _sources(params: PackedSeqParams) -> tuple:
     return (cu,) if params.cu_seqlens_q_padded is None or real is None or real is cu else (cu, real)
 
 
-def cp_context(params: PackedSeqParams, cp_size: int, cp_rank: int, balance: str = "te") -> CPBatchContext:
+def _total_off(cu_host: list[int], tokens: int | None, cp_size: int, name: str) -> str | None:
+    """Why a plain ``PackedSeqParams`` cannot describe the tokens the ranks hold, if it cannot:
+    every split the layer derives deals ``cu_seqlens[-1]`` tokens evenly (``total // cp`` or one
+    more per rank), and this rank holds another count. Reported before any layout rule."""
+    total = cu_host[-1]
+    if tokens is None or tokens in (total // cp_size, -(-total // cp_size)):
+        return None
+    return (
+        f"{name}[-1] = {total} tokens, but this CP rank holds {tokens} ({tokens} x CP {cp_size} = "
+        f"{tokens * cp_size} tokens in all; a split of {total} tokens gives every rank {total // cp_size}"
+        f"{'' if total % cp_size == 0 else f' or {total // cp_size + 1}'}): cu_seqlens must describe the whole "
+        "packed micro-batch the ranks hold (its padding included)"
+    )
+
+
+def cp_context(
+    params: PackedSeqParams, cp_size: int, cp_rank: int, balance: str = "te", tokens: int | None = None
+) -> CPBatchContext:
     """The micro-batch's :class:`CPBatchContext`, cached on ``params``.
 
     Made once per micro-batch: by :func:`make_packed_seq_params` / :func:`shard_batch_for_cp`,
     or on first use from a plain ``PackedSeqParams`` (:func:`derive_recipe`). Reused while its
     ``cu_seqlens`` tensor is the same object with the same version counter; an in-place
-    refill (or a new tensor) re-shards with the same recipe.
+    refill (or a new tensor) re-shards with the same recipe. ``tokens``: this rank's token
+    count, checked against a plain ``PackedSeqParams``' total first. Every use checks the split
+    against the one this process split the data with (:func:`check_split`).
     """
     sources = _sources(params)
     ctx = getattr(params, CONTEXT_ATTR, None)
@@ -204,6 +262,7 @@ def cp_context(params: PackedSeqParams, cp_size: int, cp_rank: int, balance: str
                 f"PackedSeqParams was built for CP size {ctx.sharding.cp_size} rank {ctx.rank}, "
                 f"used by a layer at CP size {cp_size} rank {cp_rank}"
             )
+        check_split(ctx)
         return ctx
     recipe = ctx.recipe if ctx is not None else derive_recipe(params, balance)
     _check_self_attention(params)
@@ -211,9 +270,26 @@ def cp_context(params: PackedSeqParams, cp_size: int, cp_rank: int, balance: str
     version = tuple(version_of(t) for t in sources)
     cu_host = [host_cu_seqlens(t) for t in sources]
     name = "PackedSeqParams.cu_seqlens_q" + ("_padded" if params.cu_seqlens_q_padded is not None else "")
+    derived = ctx is None
+    total_off = _total_off(cu_host[0], tokens, cp_size, name) if derived else None
+    if derived:
+        te = " (TransformerEngine's THD split)" if recipe.balance == TE_LAYOUT else ""
+        made_by = "assumed for a PackedSeqParams that carries no megatron_cp_ext split: " + (
+            "cu_seqlens_q_padded means TransformerEngine's THD split"
+            if params.cu_seqlens_q_padded is not None
+            else f"load_balance={recipe.balance!r}{te}"
+        )
+    else:
+        made_by = ctx.made_by
     try:
         sharding = recipe.build(cu_host[0], cp_size, name)
     except CPArgumentError as err:
+        if total_off:  # the wrong total is the cause, not the layout rule it trips
+            raise CPArgumentError(total_off) from err
+        data = splits.recorded(cu_host[0], cp_size) if derived else ()
+        if data:  # the data got a split this layer cannot even build: say so, not the layout rule
+            layer = f"a {recipe.balance!r} split, {made_by}, which refuses this batch ({err})"
+            raise CPArgumentError(_mismatch(data, layer, cu_host[0], cp_size)) from err
         if ctx is not None or isinstance(err, TypeError):
             raise
         raise CPArgumentError(
@@ -222,8 +298,13 @@ def cp_context(params: PackedSeqParams, cp_size: int, cp_rank: int, balance: str
             "megatron_cp_ext.megatron.shard_batch_for_cp (its packed_seq_params carry the split), or set "
             "load_balance (--cp-load-balance) to the balance the batch was split with"
         ) from err
+    if total_off and sharding.num_tokens(cp_rank) != tokens:
+        raise CPArgumentError(total_off)
+    layout = sharding
     if len(cu_host) == 2:
         sharding = separate_padding(sharding, cu_host[1], name="PackedSeqParams.cu_seqlens_q")
-    ctx = CPBatchContext(sharding=sharding, rank=cp_rank, recipe=recipe, source=sources, version=version)
+    ctx = CPBatchContext(sharding=sharding, rank=cp_rank, recipe=recipe, source=sources, version=version,
+                         layout=layout, made_by=made_by)  # fmt: skip
+    check_split(ctx)
     setattr(params, CONTEXT_ATTR, ctx)
     return ctx

@@ -253,15 +253,17 @@ class CPCoreAttention(MegatronModule):
                 f"got {attn_mask_type}"
             )
 
-    def batch_context(self, packed_seq_params: PackedSeqParams) -> CPBatchContext:
+    def batch_context(self, packed_seq_params: PackedSeqParams, tokens: int | None = None) -> CPBatchContext:
         """The micro-batch's sharding and positions (THD), shared by every layer and its RoPE.
 
         Host-only after the first layer of a micro-batch. Refuses, identically on every CP rank
         and before any collective, what would otherwise hang or be silently wrong: Megatron's
-        per-call CP groups, and token counts sequence parallelism cannot scatter.
+        per-call CP groups, a split other than the one this process split the data with, a
+        ``cu_seqlens`` total other than the tokens the ranks hold (``tokens``: this rank's), and
+        token counts sequence parallelism cannot scatter.
         """
         _check_params_group(packed_seq_params, self.cp_group)
-        ctx = cp_context(packed_seq_params, self.cp_size, self.cp_rank, self.options.load_balance)
+        ctx = cp_context(packed_seq_params, self.cp_size, self.cp_rank, self.options.load_balance, tokens)
         if self.sp_multiple > 1 and ctx.sharding is not self._sp_checked:
             check_token_multiple(ctx.sharding, self.sp_multiple, f"sequence parallelism (TP {self.sp_multiple})")
             self._sp_checked = ctx.sharding
@@ -272,7 +274,7 @@ class CPCoreAttention(MegatronModule):
         """Position in its sequence of each of this rank's ``s_local`` THD tokens (for RoPE),
         after checking that the batch was split the way the micro-batch's sharding says.
         Not traced by dynamo (one graph break): the token dim of the result is dynamic."""
-        ctx = self.batch_context(packed_seq_params)
+        ctx = self.batch_context(packed_seq_params, s_local)
         positions = ctx.positions(device)
         if positions.shape[0] != s_local:
             raise CPArgumentError(
@@ -338,7 +340,7 @@ class CPCoreAttention(MegatronModule):
         the layer has one graph break here (and one in :meth:`local_positions`), and the
         per-micro-batch Python objects never reach a guard (``docs/compile.md``)."""
         if packed_seq_params is not None:
-            kwargs["sharding"] = self.batch_context(packed_seq_params).sharding
+            kwargs["sharding"] = self.batch_context(packed_seq_params, query.shape[0]).sharding
         if not self._max_logits:
             return cp_attention(query, key, value, **kwargs)
         out, max_logit = cp_attention(query, key, value, return_max_logit=True, **kwargs)

@@ -228,6 +228,9 @@ def run_threads(world_size: int, fn: Callable, *args: Any, timeout: float = 300.
         if device.type == "cuda" and device.index is None:  # a new thread starts on GPU 0
             device = torch.device("cuda", torch.cuda.current_device())
     with _RUN_LOCK:
+        from .. import splits
+
+        splits.clear()  # the run splits its own data (the ranks share this process's record)
         _mt._install_threaded_pg()
         _mt.ProcessLocalGroup.reset()
         torch._C._distributed_c10d._set_thread_isolation_mode(True)  # group names per thread

@@ -55,6 +55,9 @@ def _worker(rank: int, world_size: int, port: int, path: list[str], tasks, resul
             break
         fn, args = task
         try:
+            from megatron_cp_ext import splits
+
+            splits.clear()  # each task splits its own data: none of an earlier task's splits is its own
             results.put((rank, True, fn(rank, world_size, *args)))
         except BaseException:  # noqa: BLE001 - reported to the driver verbatim
             results.put((rank, False, traceback.format_exc()))
