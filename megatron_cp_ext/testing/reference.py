@@ -11,7 +11,21 @@ import math
 
 import torch
 
-__all__ = ["visibility_matrix", "dense_attention"]
+__all__ = ["visibility_matrix", "dense_attention", "entry_band"]
+
+
+def entry_band(sq: int, sk: int, causal: bool, window: tuple[int, int]) -> torch.Tensor:
+    """``[sq, sk]`` bool: the local kernel contract's visibility inside one varlen entry of
+    ``sq`` queries and ``sk`` keys (bottom-right aligned flash window, -1 open; causal: right 0),
+    written from its definition for the kernel argument tests."""
+    left, right = window[0], 0 if causal else window[1]
+    d = torch.arange(sk)[None] - (torch.arange(sq)[:, None] + sk - sq)
+    vis = torch.ones(sq, sk, dtype=torch.bool)
+    if left >= 0:
+        vis &= d >= -left
+    if right >= 0:
+        vis &= d <= right
+    return vis
 
 
 def visibility_matrix(

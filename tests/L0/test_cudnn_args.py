@@ -24,21 +24,10 @@ import torch
 import megatron_cp_ext as mcx
 from megatron_cp_ext.backends import cudnn, reference
 from megatron_cp_ext.backends import cudnn_args as ca
+from megatron_cp_ext.testing.reference import entry_band
 
 U = cudnn._U
 WINDOWS = [(-1, -1), (-1, 0), (0, -1), (5, -1), (-1, 3), (4, 2), (0, 0), (70, -1), (-1, 70), (60, 2), (2, 60)]
-
-
-def _contract(sq: int, sk: int, causal: bool, window: tuple[int, int]) -> torch.Tensor:
-    """The contract's visibility: bottom-right aligned flash window (-1 open), causal = right 0."""
-    left, right = window[0], 0 if causal else window[1]
-    d = torch.arange(sk)[None] - (torch.arange(sq)[:, None] + sk - sq)
-    vis = torch.ones(sq, sk, dtype=torch.bool)
-    if left >= 0:
-        vis &= d >= -left
-    if right >= 0:
-        vis &= d <= right
-    return vis
 
 
 def test_band_is_the_contract_mask():
@@ -48,9 +37,9 @@ def test_band_is_the_contract_mask():
         if causal and window[1] not in (-1, 0):
             continue
         b = ca.band(causal, window)
-        assert torch.equal(ca.visible(sq, sk, b), _contract(sq, sk, causal, window)), (sq, sk, causal, window)
+        assert torch.equal(ca.visible(sq, sk, b), entry_band(sq, sk, causal, window)), (sq, sk, causal, window)
         if sq == sk:  # equal entries: top-left is the same mask
-            assert torch.equal(ca.visible(sq, sk, b, top_left=True), _contract(sq, sk, causal, window))
+            assert torch.equal(ca.visible(sq, sk, b, top_left=True), entry_band(sq, sk, causal, window))
     assert ca.band(True, (-1, 0)) == ca.Band(left_bound=None, right_bound=0)
     assert ca.band(False, (4, 2)) == ca.Band(left_bound=5, right_bound=2)  # left W -> W + 1
     assert not ca.band(False, (-1, -1)).bottom_right

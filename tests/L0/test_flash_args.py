@@ -10,22 +10,16 @@ import random
 import torch
 
 from megatron_cp_ext.backends import flash
+from megatron_cp_ext.testing.reference import entry_band
 
 
 def _band(sq: int, sk: int, left: int, right: int) -> torch.Tensor:
     """Bottom-right aligned band: key ``j`` visible to query ``i`` within ``left``/``right`` (-1: open)."""
-    i, j = torch.arange(sq)[:, None], torch.arange(sk)[None]
-    d = j - (i + sk - sq)
-    vis = torch.ones(sq, sk, dtype=torch.bool)
-    if left >= 0:
-        vis &= d >= -left
-    if right >= 0:
-        vis &= d <= right
-    return vis
+    return entry_band(sq, sk, False, (left, right))
 
 
 def _contract(sq: int, sk: int, causal: bool, window: tuple[int, int]) -> torch.Tensor:
-    return _band(sq, sk, window[0], 0 if causal else window[1])
+    return entry_band(sq, sk, causal, window)
 
 
 def _fa2(sq: int, sk: int, max_q: int, max_k: int, causal: bool, left: int, right: int) -> torch.Tensor:
