@@ -39,6 +39,10 @@ def seen() -> set[tuple[str, str, str]]:
     return set(_SEEN)
 
 
+REFUSED: tuple[tuple[str, str, str], ...] = ()
+"""``(comm type, format, mask)`` refused by design (none): written under "Refused by design"."""
+
+
 def render(cells: set[tuple[str, str, str]]) -> str:
     """The support-matrix page for ``cells``."""
     lines = [
@@ -58,7 +62,13 @@ def render(cells: set[tuple[str, str, str]]) -> str:
         for fmt in FORMATS:
             marks = ["✓" if (comm, fmt, f) in cells else "—" for f in FEATURES]
             lines.append(f"| {comm} | {fmt} | " + " | ".join(marks) + " |")
-    return "\n".join(lines) + "\n"
+    lines += ["", "## Refused by design", "",
+              "Combinations a test may see refused (`tests/L1/test_masks.py` reads this table: any other",
+              "refusal fails the test, and a listed one must refuse):", "",
+              "| comm type | format | mask |", "|---|---|---|",
+              *(f"| {c} | {f} | {m} |" for c, f, m in REFUSED), "",
+              "None today: every comm type runs every format and mask above." if not REFUSED else ""]  # fmt: skip
+    return "\n".join(lines).rstrip("\n") + "\n"
 
 
 def parse(page: str) -> set[tuple[str, str, str]]:

@@ -75,10 +75,10 @@ def random_case(seed: int, dtype: str | None = None) -> tuple[int, AttnCase]:
     balance, segments = rng.choice(["workload", "dualchunk", "contiguous"]), None
     if fmt == "thd" and rng.random() < 0.3:
         segments = _random_segments(rng, seqlens, world)
-    drawn = rng.choices(["float32", "bfloat16", "float64"], weights=[7, 2, 1])[0]
+    drawn = rng.choices(["float32", "bfloat16", "float16", "float64"], weights=[6, 2, 1.5, 1])[0]
     dtype = dtype or drawn
     extra: dict = {}
-    if rng.random() < 0.3 and dtype != "bfloat16":  # bf16's absolute tolerance assumes the default scale
+    if rng.random() < 0.3 and dtype not in ("bfloat16", "float16"):  # half tolerances assume the default scale
         extra["softmax_scale"] = rng.choice([0.05, 0.3, 1.0, 2.5])
     if rng.random() < 0.3:
         extra["check"] = True

@@ -140,13 +140,26 @@ class _RingAllReduce:
                 tensors[i].detach().copy_(total)
 
 
+class _MaxAllReduce:
+    """All-reduce (max): exact in any order (the max logits' reduction)."""
+
+    @torch.no_grad()
+    def work(self, data: list) -> None:
+        for i in range(len(data[0])):
+            top = torch.stack([tensors[i] for tensors in data]).amax(0)
+            for tensors in data:
+                tensors[i].detach().copy_(top)
+
+
 class ThreadGroup(_mt.ProcessLocalGroup):
     """PyTorch's threaded process group with point-to-point messages added and sums taken in
-    gloo's order (so a CPU run here equals a gloo run bit for bit)."""
+    gloo's order (so a CPU run here equals a gloo run bit for bit); all-reduce also takes max."""
 
     def _sum(self, collective, data, opts):
-        if opts.reduceOp != dist.ReduceOp.SUM:
-            raise NotImplementedError(f"{BACKEND}: only sums are implemented, got {opts.reduceOp}")
+        if opts.reduceOp == dist.ReduceOp.MAX and isinstance(collective, _RingAllReduce):
+            collective = _MaxAllReduce()
+        elif opts.reduceOp != dist.ReduceOp.SUM:
+            raise NotImplementedError(f"{BACKEND}: only sums (and all-reduce max) are implemented, got {opts.reduceOp}")
         coll = _mt.ProcessLocalGroup._start_coll(collective, self)
         res = coll.join(self._rank, data)
         _mt.ProcessLocalGroup._end_coll(coll, self)

@@ -122,7 +122,14 @@ def test_single_rank_errors_raise_locally_without_a_process_group():
 
 
 # ---- Megatron batch split and options ----------------------------------------------------
-megatron_batch = pytest.importorskip("megatron_cp_ext.megatron.batch")
+@pytest.fixture
+def megatron_batch():
+    """The Megatron batch split: skipped (these tests only) without megatron-core, the piece they
+    need; a broken ``megatron_cp_ext.megatron.batch`` fails instead of skipping."""
+    pytest.importorskip("megatron.core")
+    from megatron_cp_ext.megatron import batch
+
+    return batch
 
 
 def _batch(total: int, **extra):
@@ -143,19 +150,19 @@ def _batch(total: int, **extra):
     ],
     ids=["labels_short", "mask_long", "tokens_1d", "positions_1d", "cu_float", "cu_float_tensor", "cu_decreasing"],
 )
-def test_thd_batch_split_validates_every_tensor(batch, cu, err, names):
+def test_thd_batch_split_validates_every_tensor(megatron_batch, batch, cu, err, names):
     with pytest.raises(err, match=names):
         megatron_batch.shard_batch_for_cp(batch, cu_seqlens=cu, cp_group=None)
 
 
-def test_thd_batch_split_keeps_unrelated_entries():
+def test_thd_batch_split_keeps_unrelated_entries(megatron_batch):
     batch = _batch(12, cu_seqlens=torch.tensor(CU), max_seqlen=torch.tensor(7), attention_mask=torch.ones(1))
     out = megatron_batch.shard_batch_for_cp(batch, cu_seqlens=CU, cp_group=None)
     assert out["cu_seqlens"] is batch["cu_seqlens"] and out["max_seqlen"] is batch["max_seqlen"]
     assert out["attention_mask"] is None and out["tokens"].shape == (1, 12)
 
 
-def test_plain_packed_seq_params_with_float_cu_seqlens_refused():
+def test_plain_packed_seq_params_with_float_cu_seqlens_refused(megatron_batch):
     from megatron.core.packed_seq_params import PackedSeqParams
 
     cu = torch.tensor([0.0, 5.0, 12.0])
@@ -164,14 +171,15 @@ def test_plain_packed_seq_params_with_float_cu_seqlens_refused():
         megatron_batch.cp_context(params, 1, 0)
 
 
-def test_bshd_batch_split_needs_one_sequence_length():
+def test_bshd_batch_split_needs_one_sequence_length(megatron_batch):
     batch = {"tokens": torch.zeros(2, 8), "labels": torch.zeros(2, 7)}
     with pytest.raises(VE, match="labels"):
         megatron_batch.shard_batch_for_cp(batch, cp_group=None)
 
 
 def test_attention_options_are_strict_and_flag_sets_check():
-    core = pytest.importorskip("megatron_cp_ext.megatron.core_attention")
+    pytest.importorskip("megatron.core")
+    from megatron_cp_ext.megatron import core_attention as core
     from megatron_cp_ext.megatron.args import add_arguments, cp_attention_options_from_args
 
     for kw, err, names in [

@@ -30,9 +30,9 @@ from megatron_cp_ext import bridge, nemo  # noqa: E402
 try:
     from megatron.bridge.models import GPTModelProvider  # type: ignore[import-not-found]
 
-    REAL_BRIDGE = True
-except Exception:  # noqa: BLE001 - absent, or fails to import without TransformerEngine
-    REAL_BRIDGE = False
+    REAL_BRIDGE, BRIDGE_IMPORT_ERROR = True, ""
+except Exception as _err:  # noqa: BLE001 - absent, or fails to import without TransformerEngine
+    REAL_BRIDGE, BRIDGE_IMPORT_ERROR = False, f"{type(_err).__name__}: {_err}"
 
     @dataclass
     class GPTModelProvider(TransformerConfig):  # type: ignore[no-redef]
@@ -49,6 +49,20 @@ class ConfigContainer:
 
     model: Any
     train: Any = None
+
+
+def test_real_bridge_or_the_stand_in_is_said() -> None:
+    """Which ``GPTModelProvider`` the tests of this module run on, said: Bridge's own when it
+    imports, else a skip naming why it does not and that a stand-in with its field names is used."""
+    if not REAL_BRIDGE:
+        pytest.skip(
+            f"megatron.bridge does not import here ({BRIDGE_IMPORT_ERROR[:200]}): this module's other tests run "
+            "apply_cp on a stand-in GPTModelProvider with Bridge 0.6.2's field names"
+        )
+    assert GPTModelProvider.__module__.startswith("megatron.bridge")
+    config = ConfigContainer(model=make_model())
+    bridge.apply_cp(config, context_parallel_size=2)
+    assert config.model.context_parallel_size == 2
 
 
 def make_model(num_layers: int = 4, **kw: Any) -> Any:

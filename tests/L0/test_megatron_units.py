@@ -92,17 +92,23 @@ def test_packed_seq_params_takes_megatrons_no_window() -> None:
     assert got == make_packed_seq_params(cu)._mcx_cp_context.recipe and got.window_size == (-1, -1)
 
 
-@pytest.mark.parametrize("window", [None, (3, 0)])
-def test_core_attention_thd_matches_dense_reference(window) -> None:
-    from megatron_cp_ext.megatron import make_packed_seq_params
+@pytest.mark.parametrize("window,chunk", [(None, None), ((3, 0), None), (None, 4), ((2, 0), 4)])
+def test_core_attention_thd_matches_dense_reference(window, chunk) -> None:
+    """CP 1 ``CPCoreAttention`` against dense fp64 for causal, windowed, chunked, and chunked
+    plus windowed layers (the anchor the CP-vs-CP-1 Megatron tests build on)."""
+    from megatron_cp_ext.megatron import CPAttentionOptions, make_packed_seq_params
 
     lengths = [5, 1, 9, 0, 4]
     cu = torch.tensor([0] + lengths).cumsum(0)
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(19, h, 8, generator=gen, requires_grad=True) for h in (4, 2, 2))
-    attn = core(config(window_size=window))
+    attn = core(config(window_size=window), options=CPAttentionOptions(chunk_size=chunk))
+    assert attn.chunk_size == chunk
     out = attn(q, k, v, None, packed_seq_params=make_packed_seq_params(cu))
-    ref = dense_attention(q, k, v, cu, causal=True, window_size=window or (-1, -1))
+    ref = dense_attention(q, k, v, cu, causal=True, window_size=window or (-1, -1), chunk_size=chunk)
+    if chunk is not None:  # the mask really is chunked: a chunk-free layer would differ
+        plain = dense_attention(q, k, v, cu, causal=True, window_size=window or (-1, -1))
+        assert (plain - ref).abs().max() > 0.05
     assert out.shape == (19, 32)
     torch.testing.assert_close(out.double(), ref.reshape(19, 32), atol=1e-5, rtol=1e-5)
 

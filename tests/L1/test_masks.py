@@ -7,14 +7,15 @@ are not divisible by 2*cp and include empty and one-token sequences; bshd/sbhd u
 zigzag split (their only layout).
 """
 
-import sys
+import re
+from pathlib import Path
 
 import pytest
-import torch
 
 from megatron_cp_ext.testing.cases import AttnCase, check_case, run_case
 from megatron_cp_ext.testing.pool import run_on_ranks
 
+SUPPORT_MATRIX = Path(__file__).resolve().parents[2] / "docs" / "support_matrix.md"
 THD_SEQLENS = (13, 0, 1, 45, 7, 2)
 SEQ_FORMAT_SEQLENS = (40, 40)  # bshd/sbhd: b equal sequences, s divisible by 2*cp
 HEADS = {"mha": (4, 4), "gqa": (4, 2)}
@@ -49,15 +50,34 @@ def _a2a_size(comm: str, world: int) -> int:
     return {"a2a+p2p": 2 if world == 4 else 1}.get(comm, 0)
 
 
-def run_or_skip(world: int, case: AttnCase) -> None:
-    """Run and check a case; comm types that are not built yet skip instead of failing."""
+def refused_by_design() -> list[tuple[str, str, str]]:
+    """``(comm type, format, mask)`` rows of ``docs/support_matrix.md``'s "Refused by design"
+    table: the only combinations a test here may see refused."""
+    text = SUPPORT_MATRIX.read_text()
+    assert "## Refused by design" in text, "docs/support_matrix.md lost its 'Refused by design' section"
+    section = text.split("## Refused by design", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `?([\w+]+)`? \| `?(\w+)`? \| `?([\w-]+)`? \|", section, flags=re.M)
+    return [r for r in rows if r[0] != "comm"]
+
+
+def run_checked(world: int, case: AttnCase, mask: str = "") -> None:
+    """Run and check a case against dense fp64. Nothing skips: a refusal fails, unless the
+    combination is listed as refused by design (then it must refuse)."""
+    listed = (case.comm_type, case.qkv_format, mask) in refused_by_design()
     try:
         results = run_on_ranks(world, run_case, case)
     except RuntimeError as e:
-        if "NotImplementedError" in str(e):
-            pytest.skip(f"{case.comm_type} not available yet")
+        if listed and ("NotImplementedError" in str(e) or "CPArgumentError" in str(e)):
+            return
         raise
+    assert not listed, f"{case.comm_type}/{case.qkv_format}/{mask} is listed as refused by design but ran"
     check_case(results, case)
+
+
+def test_refused_by_design_list_is_read():
+    """The list exists and names real comm types, formats and masks (today: none is refused)."""
+    for comm, fmt, mask in refused_by_design():
+        assert comm in COMM_TYPES and fmt in {f for f, _ in LAYOUTS} and mask in MASKS, (comm, fmt, mask)
 
 
 @pytest.mark.parametrize("comm, fmt, balance, mask, world, heads", _grid())
@@ -67,7 +87,17 @@ def test_mask_matches_dense(comm, fmt, balance, mask, world, heads):
         seqlens=THD_SEQLENS if fmt == "thd" else SEQ_FORMAT_SEQLENS, comm_type=comm, qkv_format=fmt,
         balance=balance, hq=hq, hkv=hkv, a2a_size=_a2a_size(comm, world), **MASKS[mask],
     )  # fmt: skip
-    run_or_skip(world, case)
+    run_checked(world, case, mask)
+
+
+@pytest.mark.parametrize("mask", ["causal-left5", "bidir-4-6", "chunk6-causal"])
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("comm", COMM_TYPES)
+def test_fp16_above_cp1(comm, world, mask):
+    """fp16 on every comm type at CP 2 and 4 (windows, chunks), thd with GQA, against dense fp64."""
+    case = AttnCase(seqlens=THD_SEQLENS, comm_type=comm, qkv_format="thd", balance="dualchunk", hq=4, hkv=2,
+                    dtype="float16", a2a_size=_a2a_size(comm, world), **MASKS[mask])  # fmt: skip
+    run_checked(world, case, mask)
 
 
 @pytest.mark.parametrize("seqlens", [(3, 0, 2), (1,), (0, 61, 0)], ids=["tiny", "one-token", "one-long"])
@@ -75,7 +105,7 @@ def test_mask_matches_dense(comm, fmt, balance, mask, world, heads):
 def test_windows_with_empty_ranks_world4(balance, seqlens):
     """Ranks holding no tokens (or no visible KV) still take part in the ring."""
     case = AttnCase(seqlens=seqlens, balance=balance, causal=False, window_size=(3, 1), hkv=2)
-    run_or_skip(4, case)
+    run_checked(4, case)
 
 
 @pytest.mark.parametrize("comm", ["p2p", "a2a+p2p"])
@@ -84,38 +114,23 @@ def test_bf16_window_contiguous(comm):
         seqlens=THD_SEQLENS, comm_type=comm, balance="contiguous", window_size=(6, 0), dtype="bfloat16",
         hkv=2, a2a_size=_a2a_size(comm, 4),
     )  # fmt: skip
-    run_or_skip(4, case)
+    run_checked(4, case)
 
 
 def _no_sync_worker(rank: int, world: int, case: AttnCase) -> bool:
-    """Second call (plan cached): forward and backward must not read device values."""
+    """Second call (plan cached): forward and backward read no tensor data on the host
+    (``testing.syncguard``: every read refused, the kernel a sync-free stand-in)."""
     import torch.distributed as dist
 
     import megatron_cp_ext as mcx
+    from megatron_cp_ext.testing.syncguard import no_host_reads, sync_free_kernel
 
     sharding = case.sharding(world)
     q, k, v = (sharding.shard(x, rank).float().requires_grad_() for x in case.inputs()[:3])
     kw = dict(cp_group=dist.group.WORLD, sharding=sharding, causal=case.causal, window_size=case.window_size)
     mcx.cp_attention(q, k, v, **kw).sum().backward()  # builds the plan (one small exchange)
-
-    saved = {n: getattr(torch.Tensor, n) for n in ("item", "tolist", "cpu")}
-
-    def guard(name: str):
-        def call(self, *a, **k):
-            # the CPU reference kernels stand in for flash, which takes device cu_seqlens
-            if "backends" not in sys._getframe(1).f_code.co_filename:
-                raise AssertionError(f"host-device sync (Tensor.{name}) in the hot path")
-            return saved[name](self, *a, **k)
-
-        return call
-
-    try:
-        for n in saved:
-            setattr(torch.Tensor, n, guard(n))
+    with sync_free_kernel(), no_host_reads():
         mcx.cp_attention(q, k, v, **kw).sum().backward()
-    finally:
-        for n, f in saved.items():
-            setattr(torch.Tensor, n, f)
     return True
 
 

@@ -237,13 +237,12 @@ def test_mla_refuses_what_it_cannot_honour() -> None:
 def no_sync_case(rank: int, world: int) -> bool:
     """Worker: the second THD step of an MLA block (plan and positions cached on the params)
     reads no device values in forward or backward: positions come from the plan, not from
-    ``cu_seqlens`` (only the CPU reference kernels, standing in for flash, may)."""
-    import sys
-
+    ``cu_seqlens`` (``testing.syncguard``: no path exempt, the kernel a sync-free stand-in)."""
     from megatron.core import parallel_state
 
     from megatron_cp_ext.megatron import cp_layer_spec
     from megatron_cp_ext.testing.megatron import setup_parallel_state
+    from megatron_cp_ext.testing.syncguard import no_host_reads, sync_free_kernel
 
     setup_parallel_state(world)
     config = mla_config(world, "p2p", "yarn")
@@ -251,23 +250,8 @@ def no_sync_case(rank: int, world: int) -> bool:
     x, idx, _, psp = _data("thd", world, rank)
     x_loc = x[idx].requires_grad_()
     model(x_loc, attention_mask=None, packed_seq_params=psp).sum().backward()  # builds the plan
-    saved = {n: getattr(torch.Tensor, n) for n in ("item", "tolist", "cpu")}
-
-    def guard(name: str):
-        def call(self, *a, **k):
-            if "backends" not in sys._getframe(1).f_code.co_filename:
-                raise AssertionError(f"host-device sync (Tensor.{name}) in the MLA hot path")
-            return saved[name](self, *a, **k)
-
-        return call
-
-    try:
-        for n in saved:
-            setattr(torch.Tensor, n, guard(n))
+    with sync_free_kernel(), no_host_reads():  # every host read refused, the kernel included
         model(x_loc, attention_mask=None, packed_seq_params=psp).sum().backward()
-    finally:
-        for n, f in saved.items():
-            setattr(torch.Tensor, n, f)
     assert parallel_state.get_context_parallel_world_size() == world
     return True
 

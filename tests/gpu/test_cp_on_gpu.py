@@ -93,3 +93,57 @@ def test_cp1_no_sync_after_plan():
 def test_runner_no_sync_after_plan(comm_type, a2a_size):
     """The runner's own collectives are device copies, so a sync here is the package's."""
     run_threads(4, _sync_free, comm_type, a2a_size, device="cuda", timeout=120)
+
+
+# ---- above CP 1: formats, chunks, sinks, fp16, max logits ---------------------------------------
+FEATURES = {
+    "sbhd": dict(qkv_format="sbhd", seqlens=(64, 64), causal=True),
+    "bshd-window": dict(qkv_format="bshd", seqlens=(64, 64), causal=True, window_size=(9, 0)),
+    "thd-chunk": dict(causal=True, chunk_size=48),
+    "thd-chunk-window": dict(causal=True, chunk_size=64, window_size=(20, 0)),
+    "thd-sink": dict(causal=True, sink=(0.5, -1.0, 2.0, 0.0, 1.5, -0.5, 0.25, 1.0)),
+    "thd-fp16-window": dict(causal=False, window_size=(40, 17), dtype="float16"),
+    "thd-fp16": dict(causal=True, dtype="float16"),
+}
+
+
+@pytest.mark.parametrize("feature", list(FEATURES))
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("comm_type,a2a_size", COMMS)
+def test_runner_features_match_dense(comm_type, a2a_size, world, feature):
+    """Every comm type at CP 2 and 4 on sbhd/bshd, chunks (with a window), sinks and fp16, with
+    the kernel ``auto`` picks here, against dense fp64 (forward and backward)."""
+    kw = {"seqlens": SEQLENS, "dtype": "bfloat16", **FEATURES[feature]}
+    case = AttnCase(comm_type=comm_type, a2a_size=a2a_size, hq=8, hkv=2, d=64, dv=64, device="cuda",
+                    balance="dualchunk" if kw.get("qkv_format", "thd") != "thd" else "workload", **kw)  # fmt: skip
+    check_case(run_threads(world, run_case, case, device="cuda", timeout=120), case)
+
+
+def _max_logit_rank(rank: int, world: int, comm_type: str, a2a_size: int) -> torch.Tensor:
+    import torch.distributed as dist
+
+    cu = [0, 300, 300, 301, 398, 911]
+    sh = mcx.shard_sequences(cu, world)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(911, h, 64, device="cuda", generator=g, dtype=torch.bfloat16) for h in (8, 2, 2))
+    group = mcx.hierarchical_cp_groups(a2a_size) if a2a_size else dist.group.WORLD
+    local = [sh.shard(x, rank) for x in (q, k, v)]
+    _, ml = mcx.cp_attention(*local, cp_group=group, comm_type=comm_type, sharding=sh, causal=True,
+                             return_max_logit=True)  # fmt: skip
+    return ml
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("comm_type,a2a_size", COMMS)
+def test_runner_max_logits_match_dense(comm_type, a2a_size, world):
+    """Max logits of every comm type at CP 2 and 4: the same on every rank, equal to dense fp64."""
+    from megatron_cp_ext.testing.reference import visibility_matrix
+
+    got = run_threads(world, _max_logit_rank, comm_type, a2a_size, device="cuda", timeout=120)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, _ = (torch.randn(911, h, 64, device="cuda", generator=g, dtype=torch.bfloat16) for h in (8, 2, 2))
+    s = torch.einsum("qhd,khd->hqk", q.double(), k.double().repeat_interleave(4, dim=1)) / 8.0
+    vis = visibility_matrix([0, 300, 300, 301, 398, 911], causal=True).to(s.device)
+    want = s.masked_fill(~vis[None], float("-inf")).amax(dim=(1, 2))
+    for ml in got:
+        torch.testing.assert_close(ml.double(), want, rtol=1e-5, atol=1e-5)
