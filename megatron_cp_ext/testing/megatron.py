@@ -25,7 +25,12 @@ def setup_parallel_state(cp: int, hcp_sizes: tuple[int, ...] | None = None, tp: 
         same = same and parallel_state.get_tensor_model_parallel_world_size() == tp
         if same and have == (tuple(hcp_sizes) if hcp_sizes else None):
             return
+        old = _groups_of(parallel_state)
         parallel_state.destroy_model_parallel()
+        live = dist.distributed_c10d._world.pg_map
+        for group in old:  # Megatron forgets its groups without destroying them: each keeps gloo threads
+            if group in live:
+                dist.destroy_process_group(group)
     # destroy_model_parallel (megatron-core 0.16) leaves the hierarchical CP groups behind.
     parallel_state._HIERARCHICAL_CONTEXT_PARALLEL_GROUPS = None
     parallel_state.initialize_model_parallel(
@@ -33,6 +38,16 @@ def setup_parallel_state(cp: int, hcp_sizes: tuple[int, ...] | None = None, tp: 
         context_parallel_size=cp,
         hierarchical_context_parallel_sizes=list(hcp_sizes) if hcp_sizes else None,
     )
+
+
+def _groups_of(parallel_state) -> list:
+    """Every process group Megatron's parallel_state holds (the default group excepted), once."""
+    found: dict[int, dist.ProcessGroup] = {}
+    for value in vars(parallel_state).values():
+        for g in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(g, dist.ProcessGroup) and g is not dist.group.WORLD:
+                found[id(g)] = g
+    return list(found.values())
 
 
 def cp_vs_cp1_errors(
