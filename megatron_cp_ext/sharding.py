@@ -116,9 +116,7 @@ class CPSharding:
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        # a sharding that reaches this process (a data-loader worker split the batch with it) is
-        # the micro-batch's data split: layers check theirs against it (:mod:`.splits`)
-        splits.record(self)
+        splits.record(self)  # a data-loader worker split the batch with it: layers check theirs (.splits)
 
     # ---- geometry -------------------------------------------------------------------------
     @property

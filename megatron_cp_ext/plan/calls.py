@@ -1,20 +1,19 @@
 """Host-side attention plans: for one rank's queries and some KV buffers, the exact varlen calls.
 
-A :class:`Layout` says which global (sequence, position) ranges sit at which rows of which
-buffer (the own KV block, a received block, the gathered keys, ...). :func:`plan_steps`
-turns the queries' layout and the buffers' layout into, per buffer, the list of
-:class:`VarlenCall` s that compute every visible (query, key) pair exactly once and nothing
-else. Everything runs once per micro-batch on the host, on numpy arrays (thousands of
-ranges per call of this function, no Python loop per range); index tensors are uploaded
-once per device and reused by every layer and by the backward.
+A :class:`Layout` says which global (sequence, position) ranges sit at which rows of which buffer
+(the own KV block, a received block, the gathered keys, ...). :func:`plan_steps` turns the queries'
+layout and the buffers' layout into, per buffer, the list of :class:`VarlenCall` s that compute every
+visible (query, key) pair exactly once and nothing else. Everything runs once per micro-batch on the
+host, on numpy arrays (thousands of ranges per call, no Python loop per range); index tensors are
+uploaded once per device and reused by every layer and by the backward.
 
 How entries become calls, cheapest first (design: "plans shaped for the GPU"):
 
-* **compressed causal** — under a causal mask, a query set and a key set that are the same
-  pieces of one sequence (the own block of a rank holding several pieces) are one causal
-  entry, whatever the gaps between the pieces: causality only compares positions;
-* **fused full blocks** — fully visible blocks with the same query rows and adjacent key
-  rows (or the same key rows and adjacent query rows) are one entry;
+* **compressed causal** — under a causal mask, a query set and a key set that are the same pieces of
+  one sequence (the own block of a rank holding several pieces) are one causal entry, whatever the
+  gaps between the pieces: causality only compares positions;
+* **fused full blocks** — fully visible blocks with the same query rows and adjacent key rows (or the
+  same key rows and adjacent query rows) are one entry;
 * **slice calls** — a call's entries, sorted by query row, must be consecutive in both the
   query and the key buffer; then the call runs on two slices (views, no copy). A group that
   breaks into at most :data:`MAX_SLICE_CALLS` such runs becomes that many calls; anything
@@ -96,13 +95,8 @@ class VarlenCall:
         call = cls(window[1] == 0, window, entries)
         call.q_slice, call.q_index = _slice_or_index(entries[:, 0], entries[:, 1])
         call.k_slice, call.k_index = _slice_or_index(entries[:, 2], entries[:, 3])
-        call.cu_seqlens_q = torch.from_numpy(np.concatenate([[0], np.cumsum(lq)]).astype(np.int32))
-        # one tensor when every entry has as many keys as queries: kernels read the identity as
-        # "bottom-right and top-left alignment agree" (cuDNN's backward skips masked tiles only top-left)
-        same = np.array_equal(lq, lk)
-        call.cu_seqlens_k = (
-            call.cu_seqlens_q if same else torch.from_numpy(np.concatenate([[0], np.cumsum(lk)]).astype(np.int32))
-        )
+        cq, ck = (torch.from_numpy(np.concatenate([[0], np.cumsum(n)]).astype(np.int32)) for n in (lq, lk))
+        call.cu_seqlens_q, call.cu_seqlens_k = cq, cq if np.array_equal(lq, lk) else ck  # equal entries: one tensor
         call.max_seqlen_q, call.max_seqlen_k = int(lq.max()), int(lk.max())
         return call
 
@@ -114,11 +108,11 @@ class VarlenCall:
 
     def to(self, device: torch.device) -> VarlenCall:
         move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
-        cu_q = move(self.cu_seqlens_q)
-        cu_k = cu_q if self.cu_seqlens_k is self.cu_seqlens_q else move(self.cu_seqlens_k)  # identity kept
+        cu_q = move(self.cu_seqlens_q)  # equal entries keep sharing it (cu_seqlens_k is cu_seqlens_q)
         return VarlenCall(
-            self.causal, self.window, self.entries, self.q_slice, move(self.q_index), self.k_slice,
-            move(self.k_index), cu_q, cu_k, self.max_seqlen_q, self.max_seqlen_k,
+            self.causal, self.window, self.entries, self.q_slice, move(self.q_index), self.k_slice, move(self.k_index),
+            cu_q, cu_q if self.cu_seqlens_k is self.cu_seqlens_q else move(self.cu_seqlens_k), self.max_seqlen_q,
+            self.max_seqlen_k,
         )  # fmt: skip
 
 
