@@ -29,8 +29,6 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from ..backends import reference
-
 __all__ = ["flash_stub", "Tracker", "saved_bytes", "add_storage"]
 
 _LIB = torch.library.Library("mcx_testing", "DEF")  # noqa: TOR901 - test-only ops
@@ -57,15 +55,11 @@ def _bwd(dout, q, k, v, *_args) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     return torch.ops.mcx_testing.stub_bwd(dout, q, k, v)
 
 
-@contextlib.contextmanager
-def flash_stub() -> Iterator[None]:
+def flash_stub() -> contextlib.AbstractContextManager[None]:
     """Within the block, the ``reference`` backend's kernels are flash-shaped stubs."""
-    saved = reference.attn_fwd, reference.attn_bwd
-    reference.attn_fwd, reference.attn_bwd = _fwd, _bwd
-    try:
-        yield
-    finally:
-        reference.attn_fwd, reference.attn_bwd = saved
+    from . import reference_kernels
+
+    return reference_kernels(_fwd, _bwd)
 
 
 class Tracker(TorchDispatchMode):
