@@ -1,6 +1,6 @@
-"""mcx-plan: its rows are inspect_plan's counts and the cost model's predictions, the winner
-is the fastest row, inputs parse the same from every source, and bad input exits 2 naming
-the flag."""
+"""mcx-plan: its rows hold the counts worked out here from the documents and the split alone
+(visible pairs, tokens, bytes moved), the cost model's predictions, the winner is the fastest
+row, inputs parse the same from every source, and bad input exits 2 naming the flag."""
 
 import json
 import subprocess
@@ -22,7 +22,41 @@ def _json(capsys, argv):
     return json.loads(capsys.readouterr().out)
 
 
-def test_rows_match_inspect_and_model(capsys):
+KV_TOKEN_BYTES = 2 * 16 * 2 * 2  # K and V of one token: 2 KV heads x d 16 x bf16
+
+
+def _independent(sh, comm_type):
+    """Per-rank causal (query, key) pairs per head, tokens, and the forward's largest bytes
+    sent or received, from the split's segments alone (no plan): a query at position i sees
+    i + 1 keys; p2p moves to rank r the K|V of a peer's tokens at or before r's last query
+    of that document; all_gather sends every token's K|V to every peer; a2a sends each peer
+    its share of q (hq / cp heads), of K and V (one KV head each here) and returns its share
+    of the output."""
+    cp, segs = sh.cp_size, sh.segments
+    tokens = [sum(s.end - s.start for s in segs[r]) for r in range(cp)]
+    work = [sum((s.start + 1 + s.end) * (s.end - s.start) // 2 for s in segs[r]) for r in range(cp)]
+
+    def needed(r, p):
+        last = {}
+        for s in segs[r]:
+            last[s.seq] = max(last.get(s.seq, -1), s.end - 1)
+        return sum(max(0, min(s.end, last.get(s.seq, -1) + 1) - s.start) for s in segs[p])
+
+    others = [sum(tokens) - t for t in tokens]
+    if comm_type == "p2p":
+        sent = [sum(needed(p, r) for p in range(cp) if p != r) * KV_TOKEN_BYTES for r in range(cp)]
+        recv = [sum(needed(r, p) for p in range(cp) if p != r) * KV_TOKEN_BYTES for r in range(cp)]
+    elif comm_type == "all_gather":
+        sent = [t * (cp - 1) * KV_TOKEN_BYTES for t in tokens]
+        recv = [o * KV_TOKEN_BYTES for o in others]
+    else:  # a2a: q share, one K and one V head, the output share back
+        q_share = 8 // cp * 16 * 2
+        sent = [t * (q_share + 2 * 16 * 2) * (cp - 1) + o * q_share for t, o in zip(tokens, others, strict=True)]
+        recv = [o * (q_share + 2 * 16 * 2) + t * q_share * (cp - 1) for t, o in zip(tokens, others, strict=True)]
+    return work, tokens, max(max(a, b) for a, b in zip(sent, recv, strict=True))
+
+
+def test_rows_match_independent_counts(capsys):
     out = _json(capsys, ["--lengths", ",".join(map(str, LENGTHS)), "--cp", "2,4", "--balance", "workload,dualchunk",
                          "--a2a-size", "2"])  # fmt: skip
     assert len(out["rows"]) == 2 * 2 * 4  # cp x balance x comm type (a2a size 2 divides both)
@@ -35,6 +69,16 @@ def test_rows_match_inspect_and_model(capsys):
         rep = mcx.inspect_plan(sh, row["comm_type"], a2a_size=a, num_heads=8, num_kv_heads=2, head_dim=16)
         cost = predict(rep, PROFILES["h100-nvlink-ib400"])
         rk = list(rep.ranks.values())
+        work, tokens, fwd_bytes = _independent(sh, row["comm_type"])
+        assert row["tokens"] == tokens
+        if row["comm_type"] in ("p2p", "all_gather"):
+            assert row["work"] == work
+        else:  # the ranks split the heads: every pair of the batch, divided among them
+            assert (
+                abs(sum(row["work"]) - sum(work)) < row["cp"] and max(row["work"]) - min(row["work"]) < sum(work) / 500
+            )
+        if row["comm_type"] != "a2a+p2p":
+            assert row["fwd_bytes"] == fwd_bytes, (row, fwd_bytes)
         assert row["work"] == [r.work for r in rk]
         assert row["max_work"] == max(r.work for r in rk)
         assert row["fwd_bytes"] == max(max(r.bytes_sent["forward"], r.bytes_received["forward"]) for r in rk)
