@@ -14,6 +14,9 @@ transfer is a plain tensor copy and every sum (reduce-scatter, all-reduce) adds 
 the order of gloo's ring all-reduce (:func:`ring_sum`), so a CPU run equals a gloo run bit for
 bit (``tests/L1/test_inproc_runner.py``); on a GPU it is one fixed, deterministic order.
 
+``run_threads(..., streams=True)`` puts each rank's compute and its incoming transfers on
+streams of their own (the p2p overlap trace, ``tests/gpu/test_p2p_trace.py``).
+
 Rules for ``fn`` that separate processes get for free: build per-rank state inside ``fn``
 (module-level caches are shared by the threads), and draw random numbers from an explicit
 ``torch.Generator``, never the global one.
@@ -32,7 +35,9 @@ import torch.distributed as dist
 from torch.futures import Future
 from torch.testing._internal.distributed import multi_threaded_pg as _mt
 
-__all__ = ["run_threads", "ring_sum", "BACKEND"]
+from .inproc_streams import COLLECTIVES, LOCAL, SPIN_CYCLES, StreamWork, copy_streamed, mark, stream_roles, synced
+
+__all__ = ["run_threads", "ring_sum", "stream_roles", "BACKEND"]
 
 BACKEND = "mcx_threads"
 """Name of the in-memory backend (what ``dist.get_backend`` reports inside ``run_threads``)."""
@@ -46,6 +51,8 @@ class _Mailboxes:
     A channel is (group name, source, destination, tag). A send posted before its receive
     leaves a copy (the sender may reuse its buffer once its work completes, as on a real
     backend); a receive posted first waits on a future that the matching send completes.
+    In stream mode (:func:`run_threads`' ``streams``) a message is matched the same way but
+    copied on the receiver's transfer stream (:class:`StreamWork`).
     """
 
     def __init__(self) -> None:
@@ -74,15 +81,39 @@ class _Mailboxes:
         fut.set_result([buf])
         return fut
 
+    def send_streamed(self, key: tuple, t: torch.Tensor) -> StreamWork:
+        work = StreamWork(mark())
+        with self.lock:
+            if not self.waiting[key]:
+                self.sent[key].append((t, work))
+                return work
+            buf, rwork = self.waiting[key].popleft()
+        copy_streamed(buf, t, rwork, work)
+        return work
+
+    def recv_streamed(self, key: tuple, buf: torch.Tensor) -> StreamWork:
+        work = StreamWork(mark(), getattr(LOCAL, "transfer", None))
+        with self.lock:
+            if not self.sent[key]:
+                self.waiting[key].append((buf, work))
+                return work
+            t, swork = self.sent[key].popleft()
+        copy_streamed(buf, t, work, swork)
+        return work
+
     def fail_all(self, exc: BaseException) -> None:
         """Wake every waiting receive (another rank failed: nobody will send)."""
         with self.lock:
             pending = [f for q in self.waiting.values() for _, f in q]
+            pending += [e[1] for q in self.sent.values() for e in q if isinstance(e, tuple)]
             self.waiting.clear()
             self.sent.clear()
+        err = RuntimeError(f"peer rank failed: {exc!r}")
         for fut in pending:
-            if not fut.done():
-                fut.set_exception(RuntimeError(f"peer rank failed: {exc!r}"))
+            if isinstance(fut, StreamWork):
+                fut.finish(None, err)
+            elif not fut.done():
+                fut.set_exception(err)
 
 
 _BOXES = _Mailboxes()
@@ -173,11 +204,15 @@ class ThreadGroup(_mt.ProcessLocalGroup):
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0):
         (t,) = tensors
+        if getattr(LOCAL, "streams", False):
+            return _BOXES.send_streamed((self.pg_name, self._rank, dst, tag), t)
         _BOXES.send((self.pg_name, self._rank, dst, tag), t)
         return _mt.ret_work(tensors)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0):
         (buf,) = tensors
+        if getattr(LOCAL, "streams", False):
+            return _BOXES.recv_streamed((self.pg_name, src, self._rank, tag), buf)
         return _mt._create_work_from_future(_BOXES.recv((self.pg_name, src, self._rank, tag), buf))
 
     def getBackendName(self) -> str:
@@ -209,14 +244,32 @@ if not hasattr(_mt.ThreadLocalWorld, "comms"):
     _mt.ThreadLocalWorld.comms = property(_thread_comms)
 
 
-def _rank_main(rank: int, world: int, store, fn: Callable, args: tuple, device, results: list) -> None:
+for _name in (n for n in COLLECTIVES if hasattr(ThreadGroup, n)):  # torch versions differ
+    setattr(ThreadGroup, _name, synced(getattr(ThreadGroup, _name)))
+
+
+def _rank_main(rank: int, world: int, store, fn: Callable, args: tuple, device, results: list, streams: bool) -> None:
     try:
         if device is not None and device.type == "cuda":
             torch.cuda.set_device(device.index)
         dist.init_process_group(BACKEND, rank=rank, world_size=world, store=store)
         try:
-            results[rank] = (True, fn(rank, world, *args))
+            LOCAL.streams = streams
+            if streams and device is not None and device.type == "cuda":
+                compute, LOCAL.transfer = torch.cuda.Stream(), torch.cuda.Stream()
+                # markers: 1 + rank spins on the rank's compute stream, 1 + world + rank on its
+                # transfer stream, so a trace maps streams to ranks (:func:`stream_roles`)
+                for stream, spins in ((compute, 1 + rank), (LOCAL.transfer, 1 + world + rank)):
+                    with torch.cuda.stream(stream):
+                        for _ in range(spins):
+                            torch.cuda._sleep(SPIN_CYCLES)
+                with torch.cuda.stream(compute):
+                    results[rank] = (True, fn(rank, world, *args))
+                compute.synchronize()
+            else:
+                results[rank] = (True, fn(rank, world, *args))
         finally:
+            LOCAL.streams, LOCAL.transfer = False, None
             dist.destroy_process_group()
     except SystemExit:  # woken by another rank's failure (the threaded group's way out)
         results[rank] = (False, "stopped: another rank failed")
@@ -226,7 +279,9 @@ def _rank_main(rank: int, world: int, store, fn: Callable, args: tuple, device, 
         _BOXES.fail_all(exc)
 
 
-def run_threads(world_size: int, fn: Callable, *args: Any, timeout: float = 300.0, device=None) -> list[Any]:
+def run_threads(
+    world_size: int, fn: Callable, *args: Any, timeout: float = 300.0, device=None, streams: bool = False
+) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` threads of this process.
 
     Each thread has its own default process group (backend :data:`BACKEND`); ``new_group``,
@@ -235,6 +290,13 @@ def run_threads(world_size: int, fn: Callable, *args: Any, timeout: float = 300.
     per-rank return values; a rank that raises raises here with its traceback, and a run that
     does not finish within ``timeout`` seconds raises ``TimeoutError`` (a hang, e.g.
     mismatched collectives). One run at a time per process.
+
+    ``streams``: every rank computes on its own CUDA stream and receives on its own transfer
+    stream, as NCCL's separate stream does on a cluster, so a trace shows how much of the
+    transfers the schedule overlaps with its rank's compute (marker kernels name the streams:
+    :func:`stream_roles`). Collectives then synchronise the device around them. On CPU the
+    same matching runs with the copy at the match and no clone of the send (a send buffer
+    changed before its wait shows as a wrong result).
     """
     if device is not None:
         device = torch.device(device)
@@ -252,7 +314,7 @@ def run_threads(world_size: int, fn: Callable, *args: Any, timeout: float = 300.
         threads = [
             threading.Thread(
                 target=_rank_main,
-                args=(r, world_size, store, fn, args, device, results),
+                args=(r, world_size, store, fn, args, device, results, streams),
                 daemon=True,
                 name=f"mcx-rank-{r}",
             )  # fmt: skip

@@ -89,3 +89,45 @@ def test_failure_and_hang_surface():
         run_threads(3, _skip_collective, timeout=2)
     # the runner is usable again afterwards
     assert run_threads(2, lambda r, w: r + w) == [2, 3]
+
+
+@pytest.mark.parametrize("world,comm_type,a2a_size", [(4, "p2p", 0), (4, "a2a+p2p", 2), (4, "all_gather", 0)])
+def test_stream_mode_same_results(world, comm_type, a2a_size):
+    """Stream mode matches messages the same way but copies at the match, without cloning the
+    send: the ring then reads its send buffers until each batch's wait, as on NCCL, and the
+    results equal the plain runner's bit for bit (collectives untouched on CPU)."""
+    case = AttnCase(seqlens=SEQLENS, comm_type=comm_type, hq=4, hkv=2, a2a_size=a2a_size, seed=5)
+    streamed = run_threads(world, run_case, case, timeout=120, streams=True)
+    check_case(streamed, case)
+    assert all(_same(streamed, run_threads(world, run_case, case, timeout=120)).values())
+
+
+def test_stream_roles_from_marker_counts():
+    from megatron_cp_ext.testing.inproc import stream_roles
+
+    # 4 ranks: compute streams carry 1..4 marker spins, transfer streams 5..8; others ignored
+    spins = {7: 1, 9: 5, 13: 2, 15: 6, 21: 4, 23: 8, 17: 3, 19: 7, 3: 0, 5: 11}
+    roles = stream_roles(spins, 4)
+    assert roles == {
+        7: (0, "compute"), 9: (0, "transfer"), 13: (1, "compute"), 15: (1, "transfer"),
+        17: (2, "compute"), 19: (2, "transfer"), 21: (3, "compute"), 23: (3, "transfer"),
+    }  # fmt: skip
+
+
+def test_overlap_by_rank_on_a_made_up_trace():
+    """Rank 0's copy [10, 20] overlaps its own kernel [15, 30] by 5; rank 1's copy [0, 10]
+    overlaps only rank 0's kernel, which does not count: 5 of 20 µs."""
+    from types import SimpleNamespace as NS
+
+    from megatron_cp_ext.testing.inproc_streams import overlap_by_rank
+
+    cuda = torch.autograd.DeviceType.CUDA
+    ev = lambda name, sid, a, b: NS(name=name, device_type=cuda, device_resource_id=sid, time_range=NS(start=a, end=b))  # noqa: E731
+    marks = [ev("spin_kernel", 7, 0, 0)] + [ev("spin_kernel", 8, 0, 0)] * 3  # rank 0: 7 computes, 8 receives
+    marks += [ev("spin_kernel", 9, 0, 0)] * 2 + [ev("spin_kernel", 10, 0, 0)] * 4  # rank 1: 9 and 10
+    work = [ev("Memcpy DtoD (Device -> Device)", 8, 10, 20), ev("flash_fwd_kernel", 7, 15, 30),
+            ev("Memcpy DtoD (Device -> Device)", 10, 0, 10), ev("flash_fwd_kernel", 9, 40, 50)]  # fmt: skip
+    s = overlap_by_rank(marks + work, 2)
+    assert s["streams_named"] == 4 and s["ratio"] == pytest.approx(5 / 20)
+    assert s["ranks"][0] == {"transfers": 1, "transfer_us": 10, "compute_kernels": 1, "compute_us": 15, "overlap_us": 5}
+    assert s["ranks"][1]["overlap_us"] == 0

@@ -1,8 +1,9 @@
-"""A ``torch.profiler`` trace of one p2p layer (CP 4 on one GPU through the in-process runner),
-summarised: attention kernels, transfers, the streams they ran on and how much of the transfer
-time overlapped compute. On one GPU the runner's transfers are device copies on the ranks'
-stream, so the overlap printed here is a floor; the test checks that the trace holds every
-step's compute and transfers and prints the summary for the device report.
+"""A ``torch.profiler`` trace of one p2p layer (CP 4 on one GPU through the in-process runner
+in stream mode: each rank computes on its own stream and receives on its own transfer stream,
+as NCCL's stream does on a cluster), summarised per rank: transfers, compute kernels and how
+much of each rank's transfer time its own compute overlapped. The test asserts that the trace
+holds every step's compute and transfers and that the ring hides at least half of its
+transfer time (overlap / transfer >= 0.5), and prints the summary for the device report.
 
 No allocator reuse across streams: the same layer runs under :func:`megatron_cp_ext.inflight.tracking`
 with the caching allocator's history recorded; every batch handed to a transfer was waited
@@ -18,6 +19,7 @@ import torch
 import megatron_cp_ext as mcx
 from megatron_cp_ext import inflight
 from megatron_cp_ext.testing.inproc import run_threads
+from megatron_cp_ext.testing.inproc_streams import overlap_by_rank
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -53,14 +55,19 @@ def summarize(events) -> dict:
 
 
 def test_p2p_layer_trace_summary():
-    run_threads(4, _layer, True, device="cuda", timeout=120)  # plans, warm kernels
+    run_threads(4, _layer, True, device="cuda", timeout=120, streams=True)  # plans, warm kernels
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=acts) as prof:
-        run_threads(4, _layer, False, device="cuda", timeout=120)
-    s = summarize(prof.events())
-    print("RESULT " + json.dumps({"step": "overlap", **s}))  # the device report's overlap row (tests.xml)
+        run_threads(4, _layer, False, device="cuda", timeout=120, streams=True)
+    events = prof.events()
+    s = summarize(events)
+    per = overlap_by_rank(events, 4)
+    print("RESULT " + json.dumps({"step": "overlap", **s, "per_rank": per}))  # the device report's overlap row
     assert s["compute_kernels"] >= 4 * 2  # every rank: its own block and at least one ring step, fwd and bwd
     assert s["transfers"] > 0  # the ring moved KV between ranks
+    assert per["streams_named"] == 8, per  # every rank's compute and transfer stream found by its markers
+    assert all(r["transfers"] > 0 for r in per["ranks"].values()), per
+    assert per["ratio"] >= 0.5, per  # overlap / transfer on the p2p layer
 
 
 def test_p2p_layer_no_allocator_reuse_across_streams():
