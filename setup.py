@@ -36,6 +36,8 @@ setup(
         "gpu": ["flash-attn"],
         # the cuDNN candidate (backends/cudnn.py): cudnn-frontend's graphs over torch's libcudnn
         "cudnn": ["nvidia-cudnn-frontend>=1.32"],
+        # the FlashAttention-4 candidate (backends/fa4.py): CuTe DSL kernels for Hopper/Blackwell
+        "fa4": ["flash-attn-4>=4.0.0b36"],
         "plot": ["matplotlib"],
     },
     entry_points={"console_scripts": ["mcx-plan=megatron_cp_ext.planner.cli:main"]},

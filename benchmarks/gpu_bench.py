@@ -231,40 +231,11 @@ def bench_attention(s: Sizes, write: bool = False) -> None:
 
 
 # ---- cuDNN graph reuse ---------------------------------------------------------------------------
-def bench_graphs(s: Sizes) -> None:
-    """cuDNN graphs built over 50 random micro-batches (CP 1 calls, causal and unmasked, forward
-    and backward; goal: none after the first 10), and what a looser length bucket costs."""
-    from megatron_cp_ext.backends import cudnn
+def _builds():
+    """The graph and JIT-compile counts (``gpu_builds.py``, imported late: it imports this module)."""
+    import gpu_builds
 
-    if s.device != "cuda" or not cudnn.available():
-        print("cudnn candidate not available here: no graphs to count")
-        result(step="graphs", available=False)
-        return
-    tokens, built, sc = s.pick_tokens[0], [], 1 / math.sqrt(s.d)
-    for seed in range(50):
-        lens, cu, q, k, v = _batch(s, seed=100 + seed, tokens=tokens)
-        cu_d, mx = cu.to(s.device), max(lens)
-        before = cudnn.graph_counts()
-        for causal, window in ((True, (-1, 0)), (False, (-1, -1))):
-            o, lse = cudnn.attn_fwd(q, k, v, cu_d, cu_d, mx, mx, causal, window, sc)
-            cudnn.attn_bwd(o, q, k, v, o, lse, cu_d, cu_d, mx, mx, causal, window, sc)
-        after = cudnn.graph_counts()
-        built.append(after["fwd"] + after["bwd"] - before["fwd"] - before["bwd"])
-    torch.cuda.synchronize()
-    c = cudnn.graph_counts()
-    print(f"graphs built per micro-batch ({tokens} tokens, lognormal median {s.median_len}): {built}")
-    print(f"first 10: {sum(built[:10])}, last 40: {sum(built[10:])}; all graphs so far {c}")
-    lens, cu, q, k, v = _batch(s)
-    cu_d, mx = cu.to(s.device), max(lens)
-    t = {
-        f: timed(lambda f=f: cudnn.attn_fwd(q, k, v, cu_d, cu_d, f * mx, f * mx, True, (-1, 0), sc), s) for f in (1, 2)
-    }
-    print(
-        f"forward causal at {s.tokens} tokens: length bound = longest {t[1] * 1e3:.2f} ms, twice it {t[2] * 1e3:.2f} ms"
-    )
-    result(step="graphs", available=True, tokens=tokens, built=built, first10=sum(built[:10]),
-           last40=sum(built[10:]), build_s=c["build_s"], refused=c["refused"], fwd_ms_bound1=t[1] * 1e3,
-           fwd_ms_bound2=t[2] * 1e3)  # fmt: skip
+    return gpu_builds
 
 
 # ---- one-GPU CP and memory ------------------------------------------------------------------------
@@ -364,8 +335,8 @@ def bench_calibration(s: Sizes, write: bool) -> None:
 
 STEPS = {
     "kernels": bench_kernels,
-    "attention": lambda s: (bench_attention(s, write=True), bench_graphs(s)),
-    "graphs": bench_graphs,  # also run by the suite's attention step
+    "attention": lambda s: (bench_attention(s, write=True), _builds().bench_graphs(s)),
+    "graphs": lambda s: _builds().bench_graphs(s),  # also run by the suite's attention step
     "cp": bench_cp,
     "calibration": lambda s: bench_calibration(s, write=True),
 }

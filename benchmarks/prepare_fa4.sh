@@ -13,14 +13,18 @@
 set -euo pipefail
 FA4=${FA4:-flash-attn-4==4.0.0b36}
 DSL=${DSL:-nvidia-cutlass-dsl==4.8.1}
+# flash-attn-4's own requirements that the GPU machine's torch does not bring
+DEPS=(${DEPS:-"quack-kernels>=0.5.3" "apache-tvm-ffi>=0.1.11,<0.2" torch-c-dlpack-ext})
 work=$(mktemp -d)
 common=(--no-deps --only-binary=:all: --python-version 3.12 --implementation cp
         --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64
         --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$work")
-python3 -m pip download "${common[@]}" "$FA4" "$DSL"
-# the DSL's CUDA-13 libraries come as their own distribution; name it from the DSL's metadata
+python3 -m pip download "${common[@]}" "$FA4" "$DSL" "${DEPS[@]}"
+# the DSL's libraries come as their own distributions: base (and core, where a release has it)
+# and the CUDA-13 runtime (an extra); name them from the DSL's metadata
 for whl in "$work"/nvidia_cutlass_dsl-*.whl; do
-  unzip -p "$whl" '*/METADATA' | sed -n 's/^Requires-Dist: \(nvidia-cutlass-dsl-libs[^;]*cu13[^;]*\).*/\1/p'
+  unzip -p "$whl" '*/METADATA' | sed -n -e 's/^Requires-Dist: \(nvidia-cutlass-dsl-libs-\(base\|core\)[^;]*\)$/\1/p' \
+    -e 's/^Requires-Dist: \(nvidia-cutlass-dsl-libs-cu13[^;]*\);.*$/\1/p'
 done | sort -u | while read -r req; do python3 -m pip download "${common[@]}" "$req"; done
 mkdir -p .fa4a .fa4b
 rm -f .fa4a/* .fa4b/*

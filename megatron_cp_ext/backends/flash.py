@@ -24,7 +24,17 @@ from .reference import max_logit  # noqa: F401
 __all__ = ["HAS_FLASH_ATTN", "attn_fwd", "attn_bwd", "max_logit", "supports"]
 __all__ += ["fa_fwd", "fa_bwd", "aten_fwd", "aten_bwd"]
 
-HAS_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
+
+def _has_fa2() -> bool:
+    """flash-attn (2.x) is installed: its interface module, not only the ``flash_attn``
+    namespace that flash-attn-4 (``flash_attn.cute``) also creates."""
+    try:
+        return importlib.util.find_spec("flash_attn.flash_attn_interface") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+HAS_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None and _has_fa2()
 MAX_HEAD_DIM = 256
 """Largest q/k head dim the flash kernels take (V is padded to it)."""
 

@@ -22,7 +22,6 @@ call); ``MCX_KERNEL_TABLE=<path>`` reads another table.
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
 import logging
 import os
@@ -32,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import cudnn, flash, reference
+from . import cudnn, fa4, flash, reference
 
 __all__ = ["CallShape", "Kernel", "KERNELS", "DEFAULT_ORDER", "TABLE", "device_class", "device_class_of"]
 __all__ += ["call_shape", "pick", "pick_why", "available_kernels", "Picker", "load_table"]
@@ -107,6 +106,12 @@ def _cudnn_ok(s: CallShape) -> bool:
     return s.dtype in ("fp16", "bf16") and s.d % 8 == 0 and s.dv % 8 == 0 and max(s.d, s.dv) <= cudnn.MAX_HEAD_DIM
 
 
+def _fa4_ok(s: CallShape) -> bool:
+    """FlashAttention-4: fp16/bf16, head dims multiples of 8 up to 256, every mask; on Hopper
+    GQA/MQA only with ``d == dv`` (:func:`.fa4.supports`)."""
+    return s.dtype in ("fp16", "bf16") and fa4.supports(torch.bfloat16, s.d, s.dv, s.gqa)
+
+
 def _cuda(device: torch.device) -> bool:
     return device.type == "cuda"
 
@@ -115,11 +120,13 @@ KERNELS: dict[str, Kernel] = {
     k.name: k
     for k in (
         Kernel(name="flash_attn", fwd=flash.fa_fwd, bwd=flash.fa_bwd, supports=_flash_ok,
-               available=lambda dev: _cuda(dev) and importlib.util.find_spec("flash_attn") is not None),
+               available=lambda dev: _cuda(dev) and flash.HAS_FLASH_ATTN),
         Kernel(name="aten_flash", fwd=flash.aten_fwd, bwd=flash.aten_bwd, supports=_flash_ok,
                available=lambda dev: _cuda(dev) and hasattr(torch.ops.aten, "_flash_attention_forward")),
         Kernel(name="cudnn", fwd=cudnn.attn_fwd, bwd=cudnn.attn_bwd, supports=_cudnn_ok,
                available=lambda dev: _cuda(dev) and cudnn.available()),
+        Kernel(name="fa4", fwd=fa4.attn_fwd, bwd=fa4.attn_bwd, supports=_fa4_ok,
+               available=lambda dev: _cuda(dev) and fa4.available()),
         Kernel(name="reference", fwd=reference.attn_fwd, bwd=reference.attn_bwd, supports=lambda s: True,
                available=lambda dev: True),
     )
