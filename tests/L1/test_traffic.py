@@ -1,0 +1,78 @@
+"""The CPU proxy of what CP adds to a layer's memory traffic (``testing/traffic.py``): its
+counting rules on single ops (bytes worked out by hand), and the table for every comm type at
+CP 2, 4 and 8 pinned (gloo ranks, flash-shaped stub kernels: exact and deterministic). A change
+that moves more bytes or launches more ops around the kernels fails here; one that moves fewer
+updates the table (and ``docs/performance.md``, "Traffic around the kernels")."""
+
+import pytest
+import torch
+
+from megatron_cp_ext.testing.pool import run_on_ranks
+from megatron_cp_ext.testing.traffic import Traffic, layer_traffic
+
+
+def test_fused_merge_counts_the_kernel():
+    """A merge of 3 partial rows (bf16, 2 heads x 4) into fp32 accumulators: the partial (48 B)
+    and its lse (24 B), 3 accumulator rows (96 B) and their lse (24 B) read and written, the
+    index (24 B) read; one launch, the fallback's own ops unseen."""
+    from megatron_cp_ext.schedules import common
+    from megatron_cp_ext.testing.traffic import fused_merges
+
+    out, lse = torch.zeros(10, 2, 4), torch.full((10, 2), -1e30)
+    part, part_lse, idx = torch.ones(3, 2, 4, dtype=torch.bfloat16), torch.zeros(3, 2), torch.tensor([0, 4, 9])
+    with Traffic() as tr, fused_merges(tr):
+        common.merge_partial(out, lse, part, part_lse, idx, acc_finite=True)
+    assert (tr.read, tr.written, tr.launches) == (48 + 24 + 120 + 24, 120, 1)
+    assert out[4].eq(1).all() and out[1].eq(0).all()
+
+
+def test_rules_on_single_ops():
+    a, b = torch.zeros(10, 4), torch.zeros(10, 4)  # 160 B each
+    idx = torch.tensor([1, 3, 5])  # 24 B
+    with Traffic() as tr:
+        torch.empty(100, 100)  # an allocation moves nothing
+        a.copy_(b)  # reads b, writes a: 320
+    assert (tr.read, tr.written, tr.launches) == (160, 160, 1)
+    with Traffic() as tr:
+        a.add_(b)  # reads a and b, writes a
+        a[2:4]  # a view: nothing
+    assert (tr.read, tr.written, tr.launches) == (320, 160, 1)
+    with Traffic() as tr:
+        a.index_select(0, idx)  # 3 rows of 16 B read, 48 written, the index read
+        a.to(torch.float64)  # reads 160, writes 320
+        torch.zeros(5)  # a fill: 20 written
+    assert (tr.read, tr.written, tr.launches) == (48 + 24 + 160, 48 + 320 + 20, 3)
+    src = torch.ones(3, 4)
+    with Traffic() as tr:
+        a.index_add_(0, idx, src)  # 3 rows (48 B) read and written, source and index read
+        a.index_copy_(0, idx, src)  # 3 rows written, source and index read
+    assert (tr.read, tr.written) == ((48 + 24 + 48) + (48 + 24), 48 + 48)
+    assert tr.by_op["index_add_"] == tr.by_op["index_copy_"] == 1 and tr.moved == tr.read + tr.written
+
+
+LENS = [700, 3, 0, 250, 600, 64, 431]
+# (cp, comm): (forward ÷ ideal, backward ÷ ideal, forward launches, backward launches), the
+# largest over the ranks; 2048 tokens, 8/2 heads, d 64, bf16, workload balance
+PINNED = {
+    (2, "p2p"): (3.265, 2.314, 4, 11),
+    (2, "all_gather"): (4.544, 2.478, 6, 12),
+    (2, "a2a"): (2.904, 4.351, 8, 32),
+    (4, "p2p"): (3.952, 2.731, 6, 21),
+    (4, "all_gather"): (3.668, 1.937, 8, 18),
+    (4, "a2a"): (2.440, 3.937, 11, 45),
+    (4, "a2a+p2p"): (4.169, 5.540, 12, 52),
+    (8, "p2p"): (5.462, 3.288, 8, 35),
+    (8, "all_gather"): (2.402, 1.477, 10, 24),
+    (8, "a2a"): (2.334, 3.442, 15, 53),
+    (8, "a2a+p2p"): (4.863, 6.005, 14, 64),
+}
+
+
+@pytest.mark.parametrize("cp,comm", list(PINNED), ids=lambda x: str(x))
+def test_traffic_table_pinned(cp, comm):
+    res = run_on_ranks(cp, layer_traffic, comm, LENS, (8, 2, 64), "bfloat16", timeout=300)
+    got = (
+        round(max(r["fwd"] for r in res), 3), round(max(r["bwd"] for r in res), 3),
+        max(r["fwd_launches"] for r in res), max(r["bwd_launches"] for r in res),
+    )  # fmt: skip
+    assert got == PINNED[(cp, comm)], got
