@@ -33,16 +33,14 @@ from ..validation import CPArgumentError, as_bool, as_choice, as_chunk, as_windo
 from .context import LAYOUTS, CPBatchContext, check_token_multiple, cp_context
 from .qk_clip import record_max_logit, wants_max_logits
 from .sinks import install_softmax_offset, offset_sharded_state_dict
+from .subgroups import call_group
 
 __all__ = ["CPAttentionOptions", "CPCoreAttention", "hierarchical_groups_from_sizes", "resolve_cp_comm_type"]
 
 _MASK_CAUSAL = {AttnMaskType.causal: True, AttnMaskType.no_mask: False}
 _MASK_PADDED = {AttnMaskType.padding_causal: True, AttnMaskType.padding: False}
 
-_REFUSED_CONFIG_FLAGS = {
-    "hybrid_context_parallel": "Megatron's hybrid (per-micro-batch) CP groups are not implemented; "
-    "use a fixed context_parallel_size",
-}
+_REFUSED_CONFIG_FLAGS: dict[str, str] = {}
 """Config flags whose feature needs something this core attention lacks: refused at build,
 instead of a size mismatch or a missing attribute deep inside a training step."""
 
@@ -149,30 +147,13 @@ def _hierarchical_groups(config: TransformerConfig, pg: ProcessGroupCollection, 
     )
 
 
-def _check_params_group(params: PackedSeqParams, cp_group: dist.ProcessGroup | None) -> None:
-    """Megatron's hybrid/dynamic CP puts a per-micro-batch ``local_cp_size`` / ``cp_group`` on the
-    params; the layout and plans here are built for the layer's fixed CP group only."""
-    if getattr(params, "local_cp_size", None) is not None:
-        raise CPArgumentError(
-            f"PackedSeqParams.local_cp_size={params.local_cp_size}: Megatron's hybrid (per-micro-batch) CP "
-            "is not supported by CPCoreAttention; leave it None and use a fixed context_parallel_size"
-        )
-    group = getattr(params, "cp_group", None)
-    if group is None or group is cp_group:
-        return
-    mine = dist.get_process_group_ranks(cp_group) if cp_group is not None else [dist.get_rank()]
-    if dist.get_process_group_ranks(group) != mine:
-        raise CPArgumentError(
-            f"PackedSeqParams.cp_group spans ranks {dist.get_process_group_ranks(group)}, but this layer's CP group "
-            f"is {mine}: per-micro-batch CP groups (Megatron's hybrid CP) are not supported"
-        )
-
-
 class CPCoreAttention(MegatronModule):
     """Megatron core attention running :func:`megatron_cp_ext.cp_attention`.
 
     Works at CP size 1 (plain local attention through the same backends) and for every comm
-    type at CP > 1, for thd (with ``packed_seq_params``) and sbhd inputs, GQA included.
+    type at CP > 1, for thd (with ``packed_seq_params``) and sbhd inputs, GQA included; with
+    Megatron's hybrid CP, sbhd sub-samples run on the CP group their ``packed_seq_params``
+    carry (:mod:`.subgroups`).
     Raises at construction for what it cannot honour: attention dropout > 0, non-vanilla
     softmax, cross attention, arbitrary masks, a2a+p2p without hierarchical groups.
     """
@@ -262,7 +243,7 @@ class CPCoreAttention(MegatronModule):
         ``cu_seqlens`` total other than the tokens the ranks hold (``tokens``: this rank's), and
         token counts sequence parallelism cannot scatter.
         """
-        _check_params_group(packed_seq_params, self.cp_group)
+        call_group(packed_seq_params, self.cp_group, self.comm_group, self.cp_comm_type, thd=True)
         ctx = cp_context(packed_seq_params, self.cp_size, self.cp_rank, self.options.load_balance, tokens)
         if self.sp_multiple > 1 and ctx.sharding is not self._sp_checked:
             check_token_multiple(ctx.sharding, self.sp_multiple, f"sequence parallelism (TP {self.sp_multiple})")
@@ -316,10 +297,15 @@ class CPCoreAttention(MegatronModule):
         if attention_bias is not None:
             raise ValueError("CPCoreAttention does not support attention_bias")
         thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
+        # At CP size 1 nothing moves; any comm type is plain local attention.
+        group, comm = self.comm_group, self.cp_comm_type if self.cp_size > 1 else "p2p"
+        if packed_seq_params is not None and not thd:  # Megatron's hybrid CP: a group per sub-sample
+            sub = call_group(packed_seq_params, self.cp_group, self.comm_group, self.cp_comm_type, thd=False)
+            if sub is not None:
+                group, comm = sub
         kwargs = dict(
-            cp_group=self.comm_group,
-            # At CP size 1 nothing moves; any comm type is plain local attention.
-            comm_type=self.cp_comm_type if self.cp_size > 1 else "p2p",
+            cp_group=group,
+            comm_type=comm,
             causal=self._causal(attn_mask_type, thd, attention_mask),
             window_size=self.window_size,
             chunk_size=self.chunk_size,

@@ -74,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gated-mlp", action="store_true", help="gated MLP (SwiGLU: three FFN matrices)")
     p.add_argument("--profile", default="h100-nvlink-ib400", help=f"{', '.join(PROFILES)}, or a JSON/TOML file")
     p.add_argument("--ranks-per-node", type=int, default=None, help="CP ranks per node (default: the profile's)")
+    p.add_argument("--hybrid-max-seqlen", type=int, default=None,
+                   help="also predict Megatron's hybrid CP (its BalancedCPScheduler, this max_seqlen_per_dp_cp_rank) "
+                   "against workload at each --cp size, side by side (needs megatron-core)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--plot", default=None, help="write a PNG of per-rank work and traffic (needs matplotlib)")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
@@ -155,6 +158,8 @@ def _validate(args: argparse.Namespace, p: argparse.ArgumentParser) -> dict:
     if sum(lengths) < 1:
         p.error("the lengths hold no tokens")
     mask = dict(causal=args.causal, window_size=window, chunk_size=args.chunk)
+    if args.hybrid_max_seqlen is not None and args.hybrid_max_seqlen < 1:
+        p.error(f"argument --hybrid-max-seqlen: must be >= 1, got {args.hybrid_max_seqlen}")
     return dict(lengths=lengths, cps=cps, comms=comms, balances=bals, mask=mask, profile=prof, linear=linear)
 
 
@@ -235,6 +240,21 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def _hybrid(args, cfg: dict, shapes: dict, p: argparse.ArgumentParser) -> list:
+    from .hybrid_cp import compare
+
+    comms = tuple(c for c in cfg["comms"] if c != "a2a+p2p")  # hybrid sub-groups run without hierarchy
+    if not comms:
+        p.error("argument --hybrid-max-seqlen: compares p2p, all_gather or a2a; --comm-type names none of them")
+    try:
+        return [h for cp in cfg["cps"] for h in compare(
+            cfg["lengths"], gpus=cp, max_seqlen_per_rank=args.hybrid_max_seqlen, comm_types=comms,
+            mask=cfg["mask"], shapes=shapes, profile=cfg["profile"],
+        )]  # fmt: skip
+    except ImportError as err:
+        p.error(f"argument --hybrid-max-seqlen: {err}")
+
+
 def _bar(stream):
     def show(i: int, n: int, label: str) -> None:
         filled = int(30 * i / max(n, 1))
@@ -262,11 +282,13 @@ def main(argv: list[str] | None = None) -> int:
     if not rows:
         p.error("argument --a2a-size: no configuration left to plan (a2a+p2p needs a divisor of --cp)")
     best = winners(rows)
+    hybrid = _hybrid(args, cfg, shapes, p) if args.hybrid_max_seqlen else []
     if args.json:
         out = {
             "profile": cfg["profile"].name, "tokens": sum(cfg["lengths"]), "documents": len(cfg["lengths"]),
             "rows": [r.__dict__ for r in rows],
             "winner": {str(cp): {"comm_type": r.comm_type, "balance": r.balance} for cp, r in best.items()},
+            "hybrid": [dict(h.__dict__, ratio=h.ratio) for h in hybrid],
         }  # fmt: skip
         print(json.dumps(out, indent=1))
     else:
@@ -278,6 +300,13 @@ def main(argv: list[str] | None = None) -> int:
             whole = f"; whole layer {r.layer_ms:.3f} ms" if r.layer_ms is not None else ""
             print(f"cp {cp}: predicted best {r.comm_type} with {r.balance} balance "
                   f"({r.fwd_ms:.3f} ms forward + {r.bwd_ms:.3f} ms backward attention per layer{whole})")  # fmt: skip
+        if hybrid:
+            print(f"\nMegatron's hybrid CP (max_seqlen_per_dp_cp_rank {args.hybrid_max_seqlen}) vs workload on all "
+                  f"the ranks; predicted on {prof.name}, attention forward + backward per layer:")  # fmt: skip
+            for h in hybrid:
+                print(f"  {h.gpus} ranks, {h.comm_type}: hybrid {h.hybrid_ms:.3f} ms ({h.groups} group(s), "
+                      f"sub-samples per CP size {h.cp_sizes}), workload {h.workload_ms:.3f} ms, "
+                      f"hybrid / workload {h.ratio:.3f}")  # fmt: skip
     if args.plot:
         from .plot import plot_rows
 

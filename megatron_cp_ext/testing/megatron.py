@@ -13,9 +13,11 @@ import torch.distributed as dist
 __all__ = ["setup_parallel_state", "cp_vs_cp1_errors", "token_batches", "model_vs_cp1_errors"]
 
 
-def setup_parallel_state(cp: int, hcp_sizes: tuple[int, ...] | None = None, tp: int = 1) -> None:
+def setup_parallel_state(cp: int, hcp_sizes: tuple[int, ...] | None = None, tp: int = 1, hybrid: bool = False) -> None:
     """(Re)initialise Megatron's parallel_state with CP size ``cp`` (hierarchical CP sizes
-    ``[a2a, p2p]``) and TP size ``tp``, unless a pool worker already has exactly that layout."""
+    ``[a2a, p2p]``), TP size ``tp`` and, with ``hybrid``, the hybrid DP×CP groups of every
+    power-of-2 size (``hybrid_context_parallel``), unless a pool worker already has exactly
+    that layout."""
     from megatron.core import parallel_state
 
     if parallel_state.model_parallel_is_initialized():
@@ -23,6 +25,7 @@ def setup_parallel_state(cp: int, hcp_sizes: tuple[int, ...] | None = None, tp: 
         have = tuple(dist.get_world_size(g) for g in hcp) if hcp else None
         same = parallel_state.get_context_parallel_world_size() == cp
         same = same and parallel_state.get_tensor_model_parallel_world_size() == tp
+        same = same and bool(getattr(parallel_state, "_HYBRID_DP_CP_GROUPS", None)) == hybrid
         if same and have == (tuple(hcp_sizes) if hcp_sizes else None):
             return
         old = _groups_of(parallel_state)
@@ -31,12 +34,16 @@ def setup_parallel_state(cp: int, hcp_sizes: tuple[int, ...] | None = None, tp: 
         for group in old:  # Megatron forgets its groups without destroying them: each keeps gloo threads
             if group in live:
                 dist.destroy_process_group(group)
-    # destroy_model_parallel (megatron-core 0.16) leaves the hierarchical CP groups behind.
+    # destroy_model_parallel (megatron-core 0.16) leaves the hierarchical and hybrid CP groups behind.
     parallel_state._HIERARCHICAL_CONTEXT_PARALLEL_GROUPS = None
+    if hasattr(parallel_state, "_HYBRID_DP_CP_GROUPS"):
+        parallel_state._HYBRID_DP_CP_GROUPS = {}
+    kwargs = {"hybrid_context_parallel": True} if hybrid else {}
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp,
         context_parallel_size=cp,
         hierarchical_context_parallel_sizes=list(hcp_sizes) if hcp_sizes else None,
+        **kwargs,
     )
 
 
@@ -44,6 +51,8 @@ def _groups_of(parallel_state) -> list:
     """Every process group Megatron's parallel_state holds (the default group excepted), once."""
     found: dict[int, dist.ProcessGroup] = {}
     for value in vars(parallel_state).values():
+        if isinstance(value, dict):  # the hybrid DP×CP groups, by size
+            value = list(value.values())
         for g in value if isinstance(value, (list, tuple)) else (value,):
             if isinstance(g, dist.ProcessGroup) and g is not dist.group.WORLD:
                 found[id(g)] = g

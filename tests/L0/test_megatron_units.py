@@ -132,7 +132,6 @@ def test_core_attention_sbhd_softmax_scale_and_no_mask() -> None:
         ({"attention_type": "cross"}, "self attention"),
         ({"mask": AttnMaskType.arbitrary}, "attn_mask_type"),
         ({"cp_comm_type": "ring"}, "p2p"),
-        ({"cfg": config(hybrid_context_parallel=True)}, "hybrid_context_parallel"),
     ],
 )
 def test_unsupported_options_fail_at_construction(kwargs, match) -> None:

@@ -1,0 +1,96 @@
+"""Megatron's hybrid context parallelism: a CP group per sub-sample, carried by ``PackedSeqParams``.
+
+With ``hybrid_context_parallel`` Megatron's ``BalancedCPScheduler`` gives each sub-sample of a
+packed micro-batch its own CP group, a power-of-2 slice of the DP×CP ranks
+(``parallel_state.get_hybrid_data_context_parallel_groups``), and
+``get_batch_on_this_hybrid_cp_rank`` builds ``PackedSeqParams(qkv_format="sbhd",
+local_cp_size=n, cp_group=<that group>)`` and splits the sub-sample with Megatron's dual-chunk
+split over that group. :func:`call_group` turns such params into the group and comm type one
+attention call runs on; the engine then plans for that group's size (plans are cached per
+sharding, i.e. per sub-sample shape and group size).
+
+What TransformerEngine's attention does with the same params, this does too: ``cp_group`` set
+means CP over that group; ``local_cp_size`` 1 without a group means no CP for the call. What
+stays refused, with the same error on every rank of the sub-group, before any collective: a
+``cp_group`` whose size differs from ``local_cp_size`` or that does not hold the rank, a size
+that is not a power of 2, THD input with a per-call group, and ``a2a+p2p`` over a sub-group
+other than the layer's own CP group (its hierarchical groups are built for that one).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+
+from ..validation import CPArgumentError
+
+__all__ = ["call_group"]
+
+
+def _ranks(group: Any) -> list[int]:
+    return dist.get_process_group_ranks(group)
+
+
+def _megatron_group(size: int) -> Any:
+    """Megatron's hybrid DP×CP group of ``size`` holding this rank (as its batch helper looks it up)."""
+    try:
+        from megatron.core import parallel_state
+
+        return parallel_state.get_hybrid_data_context_parallel_groups(group_size=size)
+    except Exception as exc:  # not initialised with hybrid_context_parallel, or no group of that size
+        raise CPArgumentError(
+            f"PackedSeqParams.local_cp_size={size} without cp_group, and Megatron's hybrid DP×CP group of that size "
+            f"is not available ({type(exc).__name__}: {exc}); pass cp_group as get_batch_on_this_hybrid_cp_rank does"
+        ) from None
+
+
+def call_group(params: Any, layer_group: Any, layer_comm_group: Any, comm_type: str, thd: bool) -> tuple | None:
+    """``(cp_group, comm_type)`` for one call whose ``params`` carry their own CP group or size
+    (``cp_group`` None: no CP for the call), or None when they carry none other than the
+    layer's (``layer_group``; ``layer_comm_group``: what the layer itself would pass)."""
+    local = getattr(params, "local_cp_size", None)
+    group = getattr(params, "cp_group", None)
+    if local is None and group is None:
+        return None
+    if layer_group is not None:
+        layer_ranks = _ranks(layer_group)
+    else:
+        layer_ranks = [dist.get_rank() if dist.is_initialized() else 0]
+    bad = isinstance(local, bool) or not isinstance(local, int) or local < 1 or local & (local - 1)
+    if local is not None and bad:
+        raise CPArgumentError(f"PackedSeqParams.local_cp_size must be a power of 2 (>= 1), got {local!r}")
+    if group is dist.GroupMember.NON_GROUP_MEMBER:
+        raise CPArgumentError(f"PackedSeqParams.cp_group does not hold rank {dist.get_rank()}: each rank must get "
+                              "the sub-group it belongs to (get_batch_on_this_hybrid_cp_rank)")  # fmt: skip
+    if group is None and local is not None and local > 1:
+        group = _megatron_group(local)
+    if group is not None:
+        size = dist.get_world_size(group)
+        if local is not None and size != local:
+            raise CPArgumentError(
+                f"PackedSeqParams.cp_group has {size} ranks {_ranks(group)} but local_cp_size is {local}: "
+                "they describe different sub-groups"
+            )
+        if _ranks(group) == layer_ranks:
+            return None  # the layer's own CP group: its fixed path (hierarchical groups included)
+    else:
+        size = 1
+        if len(layer_ranks) == 1:
+            return None
+    if thd:
+        raise CPArgumentError(
+            f"PackedSeqParams.cp_group / local_cp_size ask for a per-call CP group of {size} (local_cp_size={local}) "
+            "with qkv_format='thd': "
+            "Megatron's hybrid CP gives sub-samples as sbhd (get_batch_on_this_hybrid_cp_rank); THD batches run "
+            "on the layer's fixed CP group"
+        )
+    if size == 1:
+        return None if len(layer_ranks) == 1 else (None, "p2p")
+    if comm_type == "a2a+p2p":
+        raise CPArgumentError(
+            f"cp_comm_type 'a2a+p2p' over a hybrid CP sub-group of {size} ranks {_ranks(group)}: its hierarchical "
+            f"groups exist only for the layer's CP group {layer_ranks}; use p2p, all_gather or a2a with "
+            "hybrid_context_parallel"
+        )
+    return group, comm_type
