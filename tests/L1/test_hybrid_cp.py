@@ -126,3 +126,26 @@ def bad_params_case(rank: int, world: int, what: str) -> str:
 def test_bad_hybrid_params_refused_on_every_rank(what, words):
     for msg in run_on_ranks(4, bad_params_case, what, timeout=300):
         assert msg.startswith("CPArgumentError") and all(w in msg for w in words), msg
+
+
+def non_member_case(rank: int, world: int) -> str:
+    """Worker: every rank passes the group of ranks 0 and 1 (a rank outside it holds Megatron's
+    non-member placeholder): ranks 0 and 1 run CP 2 over it, ranks 2 and 3 are refused."""
+    import torch.distributed as dist
+
+    from megatron_cp_ext.testing.megatron import setup_parallel_state
+
+    setup_parallel_state(1, hybrid=True)
+    layer, _ = _layers("p2p")
+    g01 = dist.new_group([0, 1])  # collective: every rank makes it
+    try:
+        layer(torch.randn(8, 1, HIDDEN), attention_mask=None, packed_seq_params=_params(16, 2, g01))
+    except ValueError as err:
+        return f"{type(err).__name__}: {err}"
+    return "no error"
+
+
+def test_group_without_the_rank_refused():
+    msgs = run_on_ranks(4, non_member_case, timeout=300)
+    assert msgs[:2] == ["no error", "no error"], msgs
+    assert all(m.startswith("CPArgumentError") and "does not hold rank" in m for m in msgs[2:]), msgs
