@@ -238,6 +238,13 @@ def _builds():
     return gpu_builds
 
 
+def _breakdown():
+    """Kernel time by category and host profiles (``gpu_breakdown.py``, imported late: it imports this module)."""
+    import gpu_breakdown
+
+    return gpu_breakdown
+
+
 # ---- one-GPU CP and memory ------------------------------------------------------------------------
 def _rank_step(rank: int, world: int, s: Sizes, comm: str, mask: str, lens: list[int], full: list, reps: int) -> dict:
     """One rank: ``reps`` forward+backward calls of its planned work (plan built before).
@@ -337,7 +344,8 @@ STEPS = {
     "kernels": bench_kernels,
     "attention": lambda s: (bench_attention(s, write=True), _builds().bench_graphs(s)),
     "graphs": lambda s: _builds().bench_graphs(s),  # also run by the suite's attention step
-    "cp": bench_cp,
+    "cp": lambda s: (bench_cp(s), _breakdown().kernel_breakdown(s, cps=s.cp_sizes), _breakdown().host_profile(s)),
+    "breakdown": lambda s: (_breakdown().kernel_breakdown(s, cps=s.cp_sizes), _breakdown().host_profile(s)),
     "calibration": lambda s: bench_calibration(s, write=True),
 }
 
