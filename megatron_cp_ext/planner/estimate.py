@@ -42,7 +42,7 @@ from ..masks import MaskSpec
 from ..plan.calls import Layout, _join, _Pieces, _pieces, merge_ranges
 from ..schedules.heads import a2a_bytes, split_heads
 from ..sharding import CPSharding
-from .chains import cat_pieces, member_area, merge_chains
+from .chains import member_area, merge_chains
 from .cost import PHASES
 from .entry_calls import Overlap, price_entries, starts
 from .profiles import HardwareProfile
@@ -120,32 +120,42 @@ def _geometry(seg, owner, n: int, mask: MaskSpec, ring: bool, gather: bool, merg
         area, calls = price_entries(pair, n * n, n, q0, sq, kp, sk, left, right, fx.astype(bool), (qm, km, ch.members))
         area = area + member_area(ch, n, by_buf=True).ravel()
     area_all, calls_all = np.zeros(n), np.zeros(n, np.int64)
-    if gather:  # rank j's block at row j * pad of one buffer, pad = the largest block
-        pad = int(np.bincount(owner, weights=length, minlength=n).max()) if len(owner) else 0
-        g = _pieces(Layout(lay.seq, lay.start, lay.end, lay.row + owner * pad, np.zeros_like(owner)), mask.chunk)
-        g = _gathered(g, p, fixed, ch.units, pad)
-        gi, gk = _join(p, g)
-        gi, gk, sq, sk, left, right, q0, kr = _band(p, g, gi, gk, lo_of(gi), up_of(gi))
-        u, fx = p.buf[gi], fixed[gi]
-        qm, km = gi - base, gk - (len(g.unit) - int(fixed.sum()))
-        if causal:
-            drop, extra = _compress(p, gi, whole=g, pad=pad, skip=fixed)
-            cols = (u, None, q0, sq, kr, sk, left, right, fx, qm, km)
-            u, q0, sq, kr, sk, left, right, fx, qm, km = _swap(drop, extra, cols)
-        area_all, calls_all = price_entries(u, n, 1, q0, sq, kr, sk, left, right, fx.astype(bool), (qm, km, ch.members))
-        area_all = area_all + member_area(ch, n, by_buf=False)
+    if gather:
+        area_all, calls_all = _gather_docs(lay, n, mask)
     return Geometry(area.reshape(n, n), calls.reshape(n, n), need, area_all, calls_all)
 
 
-def _gathered(g: _Pieces, p: _Pieces, fixed: np.ndarray, units: np.ndarray, pad: int) -> _Pieces:
-    """The gathered buffer's pieces ``g`` with the chain members' pieces replaced by the merged
-    ones of ``p`` (members are never joined across ranks there: the next unit's piece follows)."""
-    if not len(units):
-        return g
-    keep = ~np.isin(g.unit, units)
-    add = _Pieces(p.unit[fixed], p.start[fixed], p.end[fixed], p.row[fixed] + p.buf[fixed] * pad,
-                  np.zeros(int(fixed.sum()), np.int64))  # fmt: skip
-    return cat_pieces(g, keep, add)
+def _gather_docs(lay: Layout, n: int, mask: MaskSpec) -> tuple[np.ndarray, np.ndarray]:
+    """Per rank, tile area and calls of ``all_gather``'s plan: its query pieces against the
+    gathered keys it sees, kept in document order (``schedules.all_gather``). The keys of one
+    (rank, unit) are taken as one range, the hull of what its pieces see (a window can leave
+    gaps the plan drops: then it prices a little more area)."""
+    lo, up = bounds(mask)
+    p = _pieces(lay, mask.chunk)
+    if not len(p.unit):
+        return np.zeros(n), np.zeros(n, np.int64)
+    units, inv = np.unique(p.unit, return_inverse=True)
+    u_start = np.full(len(units), BIG, np.int64)
+    u_end = np.zeros(len(units), np.int64)
+    np.minimum.at(u_start, inv, p.start)
+    np.maximum.at(u_end, inv, p.end)
+    ks = np.maximum(u_start[inv], p.start - np.minimum(lo, BIG))
+    ke = np.minimum(u_end[inv], p.end + np.minimum(up, BIG))
+    key = p.buf * len(units) + inv  # one key range per (rank, unit), in document order per rank
+    ukey, kinv = np.unique(key, return_inverse=True)
+    h0 = np.full(len(ukey), BIG, np.int64)
+    h1 = np.zeros(len(ukey), np.int64)
+    np.minimum.at(h0, kinv, ks)
+    np.maximum.at(h1, kinv, ke)
+    h1 = np.maximum(h1, h0)
+    kbuf = ukey // len(units)
+    length = h1 - h0
+    at = np.cumsum(length) - length
+    first = np.searchsorted(kbuf, kbuf, "left")
+    kp = _Pieces(units[ukey % len(units)], h0, h1, at - at[first], kbuf)
+    qi = np.arange(len(p.unit))
+    qi, ki, sq, sk, left, right, q0, kr = _band(p, kp, qi, kinv, lo, up)
+    return price_entries(p.buf[qi], n, 1, q0, sq, kr, sk, left, right)
 
 
 def _band(qp, kp, qi, ki, lo, up):

@@ -1,23 +1,29 @@
 """``all_gather``: gather every rank's KV once, attend, reduce-scatter dK/dV.
 
-Blocks are padded to the largest per-rank count for the collective; the plan addresses
-rank j's rows at ``j * pad`` directly. KV is gathered again in backward rather than kept
+Blocks are padded to the largest per-rank count for the collective. Of the gathered rows,
+one gather (:func:`megatron_cp_ext.ops.gather_rows`) keeps exactly the keys this rank's
+queries see, in document order: each document's visible keys are then contiguous, so the
+plan covers the rank's queries in one or two varlen calls instead of one per source block,
+and forward merges nothing (or once). KV is gathered again in backward rather than kept
 alive between forward and backward (activation memory is the scarcer resource at long
-context). A single rank (CP 1) runs here too, with nothing gathered: its own ``k`` and ``v``
+context); the gradients of the kept rows go back to their gathered rows before the
+reduce-scatter. A single rank (CP 1) runs here too, with nothing gathered: its own ``k`` and ``v``
 go to the kernel as they are, and a single call's outputs are the results (no widened copies,
 no zero-filled dK/dV), so CP 1 costs what the kernel costs.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from ..comm import all_gather_padded, reduce_scatter_padded
 from ..masks import MaskSpec
-from ..plan import Layout, StepPlan, plan_steps
+from ..ops import gather_rows
+from ..plan import Layout, StepPlan, plan_steps, visible_rows
 from .common import KV, GradAcc, OutAcc, Run, acc_dtype, pack_kv, step_backward, step_forward
 
 __all__ = ["GatherPlan", "build_plan", "forward", "backward"]
@@ -30,25 +36,77 @@ class GatherPlan:
     pad: int
     """Rows per rank in the gathered buffer (the largest count)."""
     step: StepPlan
-    """Local queries against the whole gathered KV."""
+    """Local queries against the kept rows (single rank: against its own KV)."""
+    keep: np.ndarray | None = None
+    """Gathered rows the queries see, in document order (None on a single rank)."""
+    _keep_on: dict = field(default_factory=dict, repr=False)
+
+    def keep_on(self, device: torch.device) -> torch.Tensor:
+        """:attr:`keep` on ``device``, uploaded once."""
+        key = str(device)
+        if key not in self._keep_on:
+            self._keep_on[key] = torch.as_tensor(self.keep, dtype=torch.int64).to(device)
+        return self._keep_on[key]
+
+    def __getstate__(self) -> dict:  # device copies never travel
+        return {**self.__dict__, "_keep_on": {}}
+
+
+def _spread(first: np.ndarray, count: np.ndarray) -> np.ndarray:
+    """``first[i], first[i] + 1, ..., first[i] + count[i] - 1`` for every ``i``, concatenated."""
+    total = int(count.sum())
+    offset = np.repeat(np.cumsum(count) - count, count)
+    return np.repeat(first, count) + np.arange(total, dtype=np.int64) - offset
+
+
+def _document_order(kv: Layout, lo: np.ndarray, hi: np.ndarray) -> tuple[Layout, np.ndarray]:
+    """The gathered rows ``[lo, hi)`` (sorted, disjoint) as a layout in (sequence, position)
+    order, adjacent pieces of a sequence joined, and the gathered row of each of its rows."""
+    r0 = kv.row
+    r1 = kv.row + kv.end - kv.start  # the layout's rows ascend (rank blocks in order)
+    a = np.searchsorted(r1, lo, side="right")
+    n = np.maximum(np.searchsorted(r0, hi, side="left") - a, 0)
+    i, j = _spread(a, n), np.repeat(np.arange(len(lo), dtype=np.int64), n)
+    s0, s1 = np.maximum(r0[i], lo[j]), np.minimum(r1[i], hi[j])
+    ok = s0 < s1
+    i, s0, s1 = i[ok], s0[ok], s1[ok]
+    seq, start = kv.seq[i], kv.start[i] + s0 - r0[i]
+    end = start + s1 - s0
+    if not len(seq):  # the rank's queries see no key (or it holds none)
+        empty = np.zeros(0, dtype=np.int64)
+        return Layout.packed(empty, empty, empty), empty
+    order = np.lexsort((start, seq))
+    seq, start, end, s0 = seq[order], start[order], end[order], s0[order]
+    rows = _spread(s0, end - start)
+    head = np.ones(len(seq), dtype=bool)
+    head[1:] = (seq[1:] != seq[:-1]) | (start[1:] != end[:-1])  # a new piece starts here
+    first = np.flatnonzero(head)
+    last = np.append(first[1:], len(seq)) - 1
+    return Layout.packed(seq[first], start[first], end[last]), rows
 
 
 def build_plan(segments: list[np.ndarray], rank: int, mask: MaskSpec) -> GatherPlan:
     """Rank ``rank``'s calls against the gathered KV; ``segments[j]``: rank j's ``[k, 3]`` ranges."""
     counts = [int((s[:, 2] - s[:, 1]).sum()) for s in segments]
     pad = max(counts)
-    kv = Layout.concat([Layout.packed(s[:, 0], s[:, 1], s[:, 2], row0=j * pad) for j, s in enumerate(segments)])
     mine = segments[rank]
-    plans = plan_steps(Layout.packed(mine[:, 0], mine[:, 1], mine[:, 2]), kv, mask)
-    return GatherPlan(counts, pad, plans.get(0, StepPlan([])))
+    q = Layout.packed(mine[:, 0], mine[:, 1], mine[:, 2])
+    if len(segments) == 1:  # a single rank attends to its own KV as it is
+        return GatherPlan(counts, pad, plan_steps(q, q, mask).get(0, StepPlan([])))
+    kv = Layout.concat([Layout.packed(s[:, 0], s[:, 1], s[:, 2], row0=j * pad) for j, s in enumerate(segments)])
+    _, _, lo, hi = visible_rows(q, kv, mask)
+    doc, keep = _document_order(kv, lo, hi)
+    return GatherPlan(counts, pad, plan_steps(q, doc, mask).get(0, StepPlan([])), keep)
 
 
 def _gather(run: Run, k: torch.Tensor, v: torch.Tensor) -> KV:
-    """Every rank's K and V rows: the layer's own ``k`` and ``v`` on a single rank (no packing
-    copy), else one padded all-gather of them packed."""
+    """The K and V rows the plan addresses: the layer's own ``k`` and ``v`` on a single rank
+    (no packing copy), else the kept rows, in document order, of one padded all-gather of them
+    packed (the gathered buffer is freed on return)."""
     if run.group is None:
         return KV(k, v)
-    return KV.of(all_gather_padded(pack_kv(k, v), run.plan.pad, run.group), run.dk)
+    gathered = all_gather_padded(pack_kv(k, v), run.plan.pad, run.group)
+    return KV.of(gather_rows(gathered, run.plan.keep_on(k.device)), run.dk)
 
 
 def forward(run: Run, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,8 +131,12 @@ def backward(run: Run, dout, q, k, v, out, lse) -> tuple[torch.Tensor, torch.Ten
         dkv = KV(GradAcc(k, keep=one), GradAcc(v, keep=one))
         step_backward(calls, run, (dout, q, out, lse), kv_all, dq, dkv)
         return dq.result(), dkv.k.result(), dkv.v.result()
-    dkv_all = torch.zeros(kv_all.packed.shape, dtype=acc_dtype(q), device=q.device)
-    step_backward(calls, run, (dout, q, out, lse), kv_all, dq, KV.of(dkv_all, run.dk))
-    del kv_all  # the gathered KV: freed before the reduce-scatter allocates
+    dkv_kept = torch.zeros(kv_all.packed.shape, dtype=acc_dtype(q), device=q.device)
+    step_backward(calls, run, (dout, q, out, lse), kv_all, dq, KV.of(dkv_kept, run.dk))
+    del kv_all  # the kept KV: freed before the reduce-scatter allocates
+    size = dist.get_world_size(run.group)
+    dkv_all = dkv_kept.new_zeros((size * run.plan.pad, *dkv_kept.shape[1:]))
+    dkv_all.index_copy_(0, run.plan.keep_on(q.device), dkv_kept)  # kept rows are distinct
+    del dkv_kept
     dkv = reduce_scatter_padded(dkv_all, run.group)[: k.shape[0]]
     return dq.result(), dkv[..., : run.dk], dkv[..., run.dk :]  # accumulator dtype: the caller rounds once

@@ -111,6 +111,10 @@ def test_all_gather_and_a2a_plans_exact_cover(mask_kw):
                 kv_ids = [None] * (plan.pad * cp)
                 for j in range(cp):
                     kv_ids[j * plan.pad : j * plan.pad + len(ids[j])] = ids[j]
+                if plan.keep is not None:  # the calls address the kept rows, in document order
+                    kept = [kv_ids[i] for i in plan.keep.tolist()]
+                    assert kept == sorted(kept) and None not in kept
+                    kv_ids = kept
                 total += call_pairs(plan.step, ids[r], kv_ids)
             assert set(total) == want and set(total.values()) <= {1}
             # a2a: each group attends over its members' tokens in global order
