@@ -11,6 +11,24 @@ import torch
 from gpu_bench import Sizes, _batch, result, timed
 
 
+def builds_per_batch(s: Sizes, mod, counts) -> list[int]:
+    """Graphs or kernels ``mod`` (a candidate module) builds in each of 50 random micro-batches
+    of whole-batch calls, causal and unmasked, forward and backward (``counts()``: its running
+    ``{"fwd": n, "bwd": n, ...}``)."""
+    tokens, built, sc = s.pick_tokens[0], [], 1 / math.sqrt(s.d)
+    for seed in range(50):
+        lens, cu, q, k, v = _batch(s, seed=100 + seed, tokens=tokens)
+        cu_d, mx = cu.to(s.device), max(lens)
+        before = counts()
+        for causal, window in ((True, (-1, 0)), (False, (-1, -1))):
+            o, lse = mod.attn_fwd(q, k, v, cu_d, cu_d, mx, mx, causal, window, sc)
+            mod.attn_bwd(o, q, k, v, o, lse, cu_d, cu_d, mx, mx, causal, window, sc)
+        after = counts()
+        built.append(after["fwd"] + after["bwd"] - before["fwd"] - before["bwd"])
+    torch.cuda.synchronize()
+    return built
+
+
 def bench_fa4_configs(s: Sizes) -> None:
     """FA4 kernel configurations met (each a JIT compile the first time) over 50 random
     micro-batches (CP 1 calls, causal and unmasked, forward and backward; goal: none after the
@@ -21,18 +39,8 @@ def bench_fa4_configs(s: Sizes) -> None:
         print("fa4 candidate not available here: no kernels to count")
         result(step="fa4_configs", available=False)
         return
-    tokens, built, sc = s.pick_tokens[0], [], 1 / math.sqrt(s.d)
-    t0 = time.perf_counter()
-    for seed in range(50):
-        lens, cu, q, k, v = _batch(s, seed=100 + seed, tokens=tokens)
-        cu_d, mx = cu.to(s.device), max(lens)
-        before = fa4.compile_counts()
-        for causal, window in ((True, (-1, 0)), (False, (-1, -1))):
-            o, lse = fa4.attn_fwd(q, k, v, cu_d, cu_d, mx, mx, causal, window, sc)
-            fa4.attn_bwd(o, q, k, v, o, lse, cu_d, cu_d, mx, mx, causal, window, sc)
-        after = fa4.compile_counts()
-        built.append(after["fwd"] + after["bwd"] - before["fwd"] - before["bwd"])
-    torch.cuda.synchronize()
+    tokens, t0 = s.pick_tokens[0], time.perf_counter()
+    built = builds_per_batch(s, fa4, fa4.compile_counts)
     print(f"fa4 kernel configurations met per micro-batch ({tokens} tokens): {built}; "
           f"first 10: {sum(built[:10])}, last 40: {sum(built[10:])}; {fa4.compile_counts()}")  # fmt: skip
     result(step="fa4_configs", available=True, tokens=tokens, built=built, first10=sum(built[:10]),
@@ -50,17 +58,8 @@ def bench_graphs(s: Sizes) -> None:
         print("cudnn candidate not available here: no graphs to count")
         result(step="graphs", available=False)
         return
-    tokens, built, sc = s.pick_tokens[0], [], 1 / math.sqrt(s.d)
-    for seed in range(50):
-        lens, cu, q, k, v = _batch(s, seed=100 + seed, tokens=tokens)
-        cu_d, mx = cu.to(s.device), max(lens)
-        before = cudnn.graph_counts()
-        for causal, window in ((True, (-1, 0)), (False, (-1, -1))):
-            o, lse = cudnn.attn_fwd(q, k, v, cu_d, cu_d, mx, mx, causal, window, sc)
-            cudnn.attn_bwd(o, q, k, v, o, lse, cu_d, cu_d, mx, mx, causal, window, sc)
-        after = cudnn.graph_counts()
-        built.append(after["fwd"] + after["bwd"] - before["fwd"] - before["bwd"])
-    torch.cuda.synchronize()
+    tokens, sc = s.pick_tokens[0], 1 / math.sqrt(s.d)
+    built = builds_per_batch(s, cudnn, cudnn.graph_counts)
     c = cudnn.graph_counts()
     print(f"graphs built per micro-batch ({tokens} tokens, lognormal median {s.median_len}): {built}")
     print(f"first 10: {sum(built[:10])}, last 40: {sum(built[10:])}; all graphs so far {c}")

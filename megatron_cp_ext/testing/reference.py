@@ -11,7 +11,7 @@ import math
 
 import torch
 
-__all__ = ["visibility_matrix", "dense_attention", "entry_band"]
+__all__ = ["visibility_matrix", "dense_attention", "entry_band", "ENTRY_WINDOWS", "random_call"]
 
 
 def entry_band(sq: int, sk: int, causal: bool, window: tuple[int, int]) -> torch.Tensor:
@@ -92,3 +92,21 @@ def dense_attention(
     p = torch.softmax(torch.where(any_vis, s, torch.zeros_like(s)), dim=-1)
     p = torch.where(any_vis & vis[None], p, torch.zeros_like(p))
     return torch.einsum("hqk,khd->qhd", p, v64)
+
+
+ENTRY_WINDOWS = [(-1, -1), (-1, 0), (0, -1), (5, -1), (-1, 3), (4, 2), (0, 0), (70, -1), (-1, 70), (60, 2), (2, 60)]
+"""Windows the kernel argument tests draw from: open, causal-like, one- and two-sided, wider
+than the entries."""
+
+
+def random_call(rng, heads: list[tuple[int, int, int, int]]):
+    """One random varlen call for the kernel argument tests: ``(lens_q, lens_k, same, causal,
+    window, (hq, hk, d, dv))`` with 1-5 entries, lengths 0 and 1 included, query entries longer
+    than their key entries and the reverse, or the same entries for both (``same``)."""
+    e = rng.randrange(1, 6)
+    same = rng.random() < 0.4
+    lens_q = [rng.choice([0, 1, 2, 7, 33, 64, 130]) for _ in range(e)]
+    lens_k = lens_q if same else [rng.choice([0, 1, 5, 13, 64, 200]) for _ in range(e)]
+    causal = rng.random() < 0.5
+    window = rng.choice([w for w in ENTRY_WINDOWS if not causal or w[1] in (-1, 0)])
+    return lens_q, lens_k, same, causal, window, rng.choice(heads)

@@ -24,10 +24,10 @@ import torch
 import megatron_cp_ext as mcx
 from megatron_cp_ext.backends import cudnn, reference
 from megatron_cp_ext.backends import cudnn_args as ca
-from megatron_cp_ext.testing.reference import entry_band
+from megatron_cp_ext.testing.reference import ENTRY_WINDOWS, entry_band, random_call
 
 U = cudnn._U
-WINDOWS = [(-1, -1), (-1, 0), (0, -1), (5, -1), (-1, 3), (4, 2), (0, 0), (70, -1), (-1, 70), (60, 2), (2, 60)]
+WINDOWS = ENTRY_WINDOWS
 
 
 def test_band_is_the_contract_mask():
@@ -140,14 +140,8 @@ def _poison(bufs, key, ids) -> None:
 
 
 def _call(rng: random.Random):
-    e = rng.randrange(1, 6)
-    same = rng.random() < 0.4
-    lens_q = [rng.choice([0, 1, 2, 7, 33, 64, 130]) for _ in range(e)]
-    lens_k = lens_q if same else [rng.choice([0, 1, 5, 13, 64, 200]) for _ in range(e)]
-    causal = rng.random() < 0.5
-    window = rng.choice([w for w in WINDOWS if not causal or w[1] in (-1, 0)])
-    hq, hk, d, dv = rng.choice([(4, 2, 16, 16), (4, 1, 24, 16), (2, 2, 8, 8)])
-    return lens_q, lens_k, same, causal, window, (hq, hk, d, dv)
+    lens_q, lens_k, same, causal, window, heads = random_call(rng, [(4, 2, 16, 16), (4, 1, 24, 16), (2, 2, 8, 8)])
+    return lens_q, lens_k, same, causal, window, heads
 
 
 @pytest.mark.parametrize("ragged_stats", [True, False])

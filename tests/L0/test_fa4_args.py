@@ -21,9 +21,9 @@ import torch
 
 from megatron_cp_ext.backends import fa4, pick, reference
 from megatron_cp_ext.backends import fa4_args as fa
-from megatron_cp_ext.testing.reference import entry_band
+from megatron_cp_ext.testing.reference import ENTRY_WINDOWS, entry_band, random_call
 
-WINDOWS = [(-1, -1), (-1, 0), (0, -1), (5, -1), (-1, 3), (4, 2), (0, 0), (70, -1), (-1, 70), (60, 2), (2, 60)]
+WINDOWS = ENTRY_WINDOWS
 
 
 def _resolve(causal, left, right):
@@ -130,14 +130,9 @@ def emulated(monkeypatch):
 
 
 def _call(rng: random.Random):
-    e = rng.randrange(1, 6)
-    same = rng.random() < 0.4
-    lens_q = [rng.choice([0, 1, 2, 7, 33, 64, 130]) for _ in range(e)]
-    lens_k = lens_q if same else [rng.choice([0, 1, 5, 13, 64, 200]) for _ in range(e)]
-    causal = rng.random() < 0.5
-    window = rng.choice([w for w in WINDOWS if not causal or w[1] in (-1, 0)])
-    hq, hk, d, dv = rng.choice([(4, 2, 16, 16), (4, 1, 24, 24), (2, 2, 24, 16), (2, 2, 8, 8)])
-    return lens_q, lens_k, causal, window, (hq, hk, d, dv)
+    heads = [(4, 2, 16, 16), (4, 1, 24, 24), (2, 2, 24, 16), (2, 2, 8, 8)]  # MLA without GQA: Hopper's rule
+    lens_q, lens_k, _, causal, window, heads = random_call(rng, heads)
+    return lens_q, lens_k, causal, window, heads
 
 
 def test_emulated_fa4_matches_reference(emulated):

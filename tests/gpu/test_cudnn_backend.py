@@ -73,14 +73,15 @@ def _cases():
         yield call, torch.float16, "gqa", "ring"
 
 
-@pytest.mark.parametrize("call,dtype,heads,lens", list(_cases()), ids=str)
-def test_matches_reference(call, dtype, heads, lens):
+def check_candidate(mod, call, dtype, heads, lens) -> None:
+    """A candidate module's forward and backward against the reference on one case (also the
+    FA4 candidate's test)."""
     lens_q, lens_k = RING if lens == "ring" else SAME
     q, k, v = _inputs(lens_q, lens_k, HEADS[heads], dtype)
     args = _args(lens_q, lens_k, call, shared=lens == "shared")
     up = [x.float() for x in (q, k, v)]
     ref_out, ref_lse = reference.attn_fwd(*up, *args)
-    out, lse = cudnn.attn_fwd(q, k, v, *args)
+    out, lse = mod.attn_fwd(q, k, v, *args)
     assert out.shape == ref_out.shape and out.dtype == dtype and lse.dtype == torch.float32
     assert torch.isfinite(out).all(), "rows that see no key must read 0, never NaN"
     _close(out, ref_out, 2e-2)
@@ -91,10 +92,15 @@ def test_matches_reference(call, dtype, heads, lens):
         _close(lse[seen], ref_lse[seen], 1e-3)
     dout = torch.randn_like(ref_out).to(dtype)
     want = reference.attn_bwd(dout.float(), *up, ref_out, ref_lse, *args)
-    got = cudnn.attn_bwd(dout, q, k, v, ref_out.to(dtype), ref_lse, *args)
+    got = mod.attn_bwd(dout, q, k, v, ref_out.to(dtype), ref_lse, *args)
     for x, w, name in zip(got, want, ("dq", "dk", "dv")):
         assert x.shape == w.shape and torch.isfinite(x).all(), name
         _close(x, w, 5e-2)
+
+
+@pytest.mark.parametrize("call,dtype,heads,lens", list(_cases()), ids=str)
+def test_matches_reference(call, dtype, heads, lens):
+    check_candidate(cudnn, call, dtype, heads, lens)
 
 
 def test_no_sync_and_graphs_reused():
@@ -154,18 +160,23 @@ def _comm_cases():
                 yield comm_type, a2a_size, world, mask
 
 
-@pytest.mark.parametrize("comm_type,a2a_size,world,mask", list(_comm_cases()), ids=str)
-def test_every_comm_type_with_cudnn_picked(monkeypatch, comm_type, a2a_size, world, mask):
-    """``backend="auto"`` with cuDNN picked for every call (CP 1: every mask; CP 2 and 4 of every
-    comm type: causal and a two-sided window), vs dense fp64."""
-    monkeypatch.setenv("MCX_KERNEL", "cudnn")
+def run_with_picked(monkeypatch, name: str, comm_type, a2a_size, world, mask) -> None:
+    """``backend="auto"`` with candidate ``name`` picked for every call, vs dense fp64 (also
+    the FA4 candidate's test)."""
+    monkeypatch.setenv("MCX_KERNEL", name)
     monkeypatch.setattr(backends, "_PICKERS", {})
     ran = []
-    kern = pick.KERNELS["cudnn"]
+    kern = pick.KERNELS[name]
     rec = lambda *a: (ran.append(1), kern.fwd(*a))[1]  # noqa: E731
-    monkeypatch.setitem(pick.KERNELS, "cudnn", dataclasses.replace(kern, fwd=rec))
+    monkeypatch.setitem(pick.KERNELS, name, dataclasses.replace(kern, fwd=rec))
     case = AttnCase(seqlens=(300, 0, 1, 97, 513, 2, 130), comm_type=comm_type, a2a_size=a2a_size, hq=8, hkv=2,
                     d=64, dv=64, dtype="bfloat16", device="cuda", balance="workload", **mask)  # fmt: skip
     runs = [run_case(0, 1, case)] if world == 1 else run_threads(world, run_case, case, device="cuda", timeout=120)
     check_case(runs, case)
-    assert ran, "cuDNN never ran"
+    assert ran, f"{name} never ran"
+
+
+@pytest.mark.parametrize("comm_type,a2a_size,world,mask", list(_comm_cases()), ids=str)
+def test_every_comm_type_with_cudnn_picked(monkeypatch, comm_type, a2a_size, world, mask):
+    """CP 1: every mask; CP 2 and 4 of every comm type: causal and a two-sided window."""
+    run_with_picked(monkeypatch, "cudnn", comm_type, a2a_size, world, mask)
