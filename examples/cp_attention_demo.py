@@ -1,10 +1,11 @@
-"""Run cp_attention on CPU ranks over gloo (p2p, all_gather, a2a); print error and time per call.
+"""Run cp_attention on CPU ranks over gloo (p2p, all_gather, a2a, a2a+p2p); print error and time per call.
 
     python examples/cp_attention_demo.py                 # spawns 4 ranks itself
     torchrun --nproc-per-node 4 examples/cp_attention_demo.py
 
-Each rank holds its dual-chunk shard of a packed batch of variable-length sequences; rank 0
-gathers the output and compares it with a dense fp64 attention over the whole batch.
+Each rank holds its shard of a packed batch of variable-length sequences (the default
+``workload`` balance); rank 0 gathers the output and compares it with a dense fp64 attention
+over the whole batch. ``a2a+p2p`` runs with a2a groups of 2 ranks (an even world of 4 or more).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from megatron_cp_ext.comm import all_gather_padded
 from megatron_cp_ext.testing.reference import dense_attention
 from megatron_cp_ext.testing.spawn import spawn_ranks
 
-COMM_TYPES = ["p2p", "all_gather", "a2a"]
+COMM_TYPES = ["p2p", "all_gather", "a2a", "a2a+p2p"]
 
 
 def _bench(rank: int, world: int, args: argparse.Namespace) -> None:
@@ -38,9 +39,16 @@ def _bench(rank: int, world: int, args: argparse.Namespace) -> None:
             f"{world} ranks, sequences {seqlens}, heads {args.heads}/{args.kv_heads}, local tokens {sharding.counts()}"
         )
         print(f"{'comm_type':<12}{'max |err| fwd':>16}{'fwd+bwd ms/call':>18}")
+    hierarchical = world >= 4 and world % 2 == 0
+    pair = mcx.hierarchical_cp_groups(2) if hierarchical else None  # collective: every rank builds it
     for comm in COMM_TYPES:
-        run = lambda comm=comm: mcx.cp_attention(
-            ql, kl, vl, cp_group=dist.group.WORLD, comm_type=comm, sharding=sharding
+        if comm == "a2a+p2p" and not hierarchical:
+            if rank == 0:
+                print(f"{comm:<12}{'needs an even world of 4 or more':>34}")
+            continue
+        group = pair if comm == "a2a+p2p" else dist.group.WORLD
+        run = lambda comm=comm, group=group: mcx.cp_attention(
+            ql, kl, vl, cp_group=group, comm_type=comm, sharding=sharding
         )
         out = run()
         out.sum().backward()  # warm-up (plan build happens here, once)

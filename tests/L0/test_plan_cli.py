@@ -145,6 +145,25 @@ def test_table_and_plot(capsys, tmp_path):
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_plot_axes_show_the_real_spread(tmp_path):
+    """A spread of 0.1 % stays flat (the work axis spans at least max/mean 1 ± 0.1) and traffic
+    starts at 0; a 40 % spread widens the axis to hold it."""
+    pytest.importorskip("matplotlib")
+    from megatron_cp_ext.planner.plot import plot_rows
+    from megatron_cp_ext.planner.rows import Row
+
+    def row(work):
+        return Row(cp=2, comm_type="p2p", balance="workload", a2a_size=None, max_work=max(work),
+                   mean_work=sum(work) / 2, tile_efficiency=1.0, padding=0, fwd_bytes=5, bwd_bytes=5, calls=1,
+                   fwd_ms=1.0, bwd_ms=1.0, fwd_hidden=True, bwd_hidden=True, work=work, sent=[5, 7], tokens=[1, 1],
+                   token_imbalance=1.0)  # fmt: skip
+
+    ((top, bottom),) = plot_rows([row([1000, 1001])], str(tmp_path / "a.png"))
+    assert top[0] <= 0.9 and top[1] >= 1.1 and bottom[0] == 0
+    ((top, _),) = plot_rows([row([1000, 1800])], str(tmp_path / "b.png"))
+    assert top[0] <= 1000 / 1400 and top[1] >= 1800 / 1400
+
+
 @pytest.mark.parametrize(
     "argv, flag",
     [
