@@ -2,11 +2,13 @@
 our spec on sub-samples whose CP groups are Megatron's hybrid DP×CP groups of 4, 2 and 1 ranks
 (a DP×CP world of 4: DP 4, CP 1, ``hybrid_context_parallel``) equals its CP-1 twin on each whole
 sub-sample: output, input gradient and every parameter gradient (summed over the sub-group), for
-``p2p``, ``all_gather`` and ``a2a``, with RoPE (the full table: the layer takes the rows of
-its sub-group's split). The data split is Megatron's own ``get_batch_on_this_cp_rank(batch, cp_group=...)``;
-the ``PackedSeqParams`` are built by hand exactly as ``get_batch_on_this_hybrid_cp_rank`` builds
-them, because that helper puts its ``cu_seqlens`` on CUDA (``device="cuda", pin_memory=True``).
-Bad params are refused on every rank of the sub-group before any collective.
+``p2p``, ``all_gather`` and ``a2a``, with RoPE (the full table: the layer takes the rows of its
+sub-group's split). The data split is Megatron's own ``get_batch_on_this_cp_rank`` over the
+sub-group. The ``PackedSeqParams`` are built by hand exactly as megatron-core 0.16's
+``get_batch_on_this_hybrid_cp_rank`` builds them, because that helper puts its ``cu_seqlens`` on
+CUDA (``device="cuda", pin_memory=True``); 0.19 moved the split into
+``get_batch_on_this_cp_rank(batch, is_hybrid_cp=True, ...)`` and the params into its training
+script. Bad params are refused on every rank of the sub-group before any collective.
 """
 
 from __future__ import annotations
@@ -48,11 +50,25 @@ def _layers(comm: str):
     return layer, ref
 
 
+def _split(batch: dict, group) -> dict:
+    """Megatron's dual-chunk split of a whole sub-sample over ``group`` (None: not split):
+    ``get_batch_on_this_cp_rank(batch, cp_group=)`` in 0.16; in 0.19 the same function takes
+    ``is_hybrid_cp`` first and, for a batch without ``cu_seqlens``, splits per sequence alike."""
+    import inspect
+
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    if group is None:
+        return batch
+    if "is_hybrid_cp" in inspect.signature(get_batch_on_this_cp_rank).parameters:
+        return get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=group)
+    return get_batch_on_this_cp_rank(batch, cp_group=group)
+
+
 def hybrid_case(rank: int, world: int, comm: str) -> dict:
     """Worker: max |hybrid CP - CP 1| per sub-group size."""
     import torch.distributed as dist
     from megatron.core import parallel_state
-    from megatron.core.utils import get_batch_on_this_cp_rank
 
     from megatron_cp_ext.megatron import CPRotaryEmbedding
     from megatron_cp_ext.testing.megatron import setup_parallel_state
@@ -67,8 +83,7 @@ def hybrid_case(rank: int, world: int, comm: str) -> dict:
         gen = torch.Generator().manual_seed(100 * n + first)  # one sub-sample per sub-group
         x = torch.randn(SEQ, 1, HIDDEN, generator=gen)
         w = torch.randn(SEQ, 1, HIDDEN, generator=gen)
-        local = get_batch_on_this_cp_rank({"x": x.transpose(0, 1), "w": w.transpose(0, 1),
-                                           "pos": torch.arange(SEQ)[None]}, cp_group=group)  # fmt: skip
+        local = _split({"x": x.transpose(0, 1), "w": w.transpose(0, 1), "pos": torch.arange(SEQ)[None]}, group)
         x_loc, w_loc, idx = local["x"].transpose(0, 1), local["w"].transpose(0, 1), local["pos"][0]
         for m in (layer, ref):
             m.zero_grad(set_to_none=True)
