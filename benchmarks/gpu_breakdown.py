@@ -52,7 +52,8 @@ def category(name: str) -> str:
 def _spans(prof, cuda: bool) -> list[tuple[str, float]]:
     """(name, µs) of every device kernel, or on CPU of every aten op's own time."""
     if cuda:
-        return [(e.name, e.device_time) for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        cuda = torch.autograd.DeviceType.CUDA
+        return [(e.name, e.time_range.end - e.time_range.start) for e in prof.events() if e.device_type == cuda]
     return [(e.name, e.self_cpu_time_total) for e in prof.events() if e.name.startswith(("aten::", "mcx_testing"))]
 
 
