@@ -19,6 +19,7 @@ other than the layer's own CP group (its hierarchical groups are built for that 
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any
 
 import torch.distributed as dist
@@ -28,8 +29,14 @@ from ..validation import CPArgumentError
 __all__ = ["call_group"]
 
 
+@lru_cache(maxsize=64)
+def _ranks_of(group: Any) -> tuple[int, ...]:
+    return tuple(dist.get_process_group_ranks(group))
+
+
 def _ranks(group: Any) -> list[int]:
-    return dist.get_process_group_ranks(group)
+    """A group's global ranks (looked up once per group: every layer call asks)."""
+    return list(_ranks_of(group))
 
 
 def _megatron_group(size: int) -> Any:

@@ -104,7 +104,7 @@ def _geometry(seg, owner, n: int, mask: MaskSpec, ring: bool, gather: bool, merg
     qm, km = qi - base, ki - base
     causal = lo >= BIG and up == 0  # plain causal: a unit's own pieces become one causal entry
     if causal:
-        drop, extra = _compress(p, qi, whole=None, pad=0, skip=fixed)
+        drop, extra = _compress(p, qi, skip=fixed)
         drop &= u == o
         cols = (u, o, q0, sq, kr, sk, left, right, fx, qm, km)
         u, o, q0, sq, kr, sk, left, right, fx, qm, km = _swap(drop, extra, cols)
@@ -188,12 +188,11 @@ def _swap(drop, extra, cols):
     return tuple(np.concatenate([c[~drop], x]).astype(np.int64) for c, x in zip(cols, add) if c is not None)
 
 
-def _compress(p, qi, whole, pad: int, skip: np.ndarray):
+def _compress(p, qi, skip: np.ndarray):
     """``plan.calls._compressed``: a participant's >= 2 query pieces of one unit (at
     consecutive rows in position order) against the very same key pieces become one causal
     entry. Returns the entries to drop (by their query piece ``qi``) and the new ones
-    ``(owner, q0, length, k0)``. ``whole``: the gathered buffer's pieces (then the unit must
-    lie wholly on the participant, at row ``owner * pad`` + its own row); None: the own block."""
+    ``(owner, q0, length, k0)`` in the participant's own block."""
     order = np.lexsort((p.start, p.unit, p.buf))
     buf, unit, start, end, row = p.buf[order], p.unit[order], p.start[order], p.end[order], p.row[order]
     head = starts([buf, unit])
@@ -203,15 +202,11 @@ def _compress(p, qi, whole, pad: int, skip: np.ndarray):
     count = np.diff(np.append(first, len(buf)))
     ok = (count >= 2) & np.logical_and.reduceat(cont, first) & ~skip[order][first]
     total = np.add.reduceat(end - start, first)
-    if whole is not None:  # the unit's keys in the gathered buffer are exactly these pieces
-        units, inv = np.unique(whole.unit, return_inverse=True)
-        unit_total = np.bincount(inv, weights=whole.end - whole.start, minlength=len(units))
-        ok &= unit_total[np.minimum(np.searchsorted(units, unit[first]), len(units) - 1)] == total
     gid = np.empty(len(buf), np.int64)
     gid[order] = np.cumsum(head) - 1
     drop = ok[gid[qi]]
     sel = first[ok]
-    return drop, (buf[sel], row[sel], total[ok], row[sel] + buf[sel] * pad)
+    return drop, (buf[sel], row[sel], total[ok], row[sel])
 
 
 def _link(a: np.ndarray, b: np.ndarray, nbytes, prof: HardwareProfile) -> np.ndarray:
