@@ -245,6 +245,18 @@ def _breakdown():
     return gpu_breakdown
 
 
+def _memory():
+    """Per-rank peaks, allocator against accounting (``gpu_memory.py``, imported late: it imports this module)."""
+    import gpu_memory
+
+    return gpu_memory
+
+
+def _mem_cps(s: Sizes) -> tuple[int, ...]:
+    """CP sizes of the memory table: the largest (the goals' CP 8; the suite's time is short)."""
+    return s.cp_sizes[-1:]
+
+
 # ---- one-GPU CP and memory ------------------------------------------------------------------------
 def _rank_step(rank: int, world: int, s: Sizes, comm: str, mask: str, lens: list[int], full: list, reps: int) -> dict:
     """One rank: ``reps`` forward+backward calls of its planned work (plan built before).
@@ -344,7 +356,13 @@ STEPS = {
     "kernels": bench_kernels,
     "attention": lambda s: (bench_attention(s, write=True), _builds().bench_graphs(s)),
     "graphs": lambda s: _builds().bench_graphs(s),  # also run by the suite's attention step
-    "cp": lambda s: (bench_cp(s), _breakdown().kernel_breakdown(s, cps=s.cp_sizes), _breakdown().host_profile(s)),
+    "cp": lambda s: (
+        bench_cp(s),
+        _breakdown().kernel_breakdown(s, cps=s.cp_sizes),
+        _memory().memory_by_rank(s, cps=_mem_cps(s)),
+        _breakdown().host_profile(s),
+    ),
+    "memory": lambda s: _memory().memory_by_rank(s, cps=_mem_cps(s)),
     "breakdown": lambda s: (_breakdown().kernel_breakdown(s, cps=s.cp_sizes), _breakdown().host_profile(s)),
     "calibration": lambda s: bench_calibration(s, write=True),
 }

@@ -8,7 +8,9 @@ import json
 import re
 from pathlib import Path
 
-GOALS = {"copy_ratio": 0.8, "cp_causal": 1.10, "cp1": 1.03}
+GOALS = {"copy_ratio": 0.8, "cp_causal": 1.10, "cp1": 1.03, "alloc_gap": 1.10}
+PEAK_GOALS = {"p2p": (2.0, 2.5), "a2a": (2.0, 2.5), "all_gather": (2.5, 3.0)}
+"""Per-rank peak ÷ ideal, forward and backward, by comm type (the CP-overhead issue's goals)."""
 """Targets the report marks: kernels ≥ 0.8 of a copy, one-GPU CP ≤ 1.10 × one call (causal),
 CP 1 through ``cp_attention`` ≤ 1.03 × the direct call."""
 
@@ -64,6 +66,20 @@ def render(statuses: list[dict], rows: list[dict], dry: bool, total_s: float) ->
         cp_rows.append([r["comm"], r["mask"], r["cp"], f"{r['ms']:.2f}", f"{r['ratio']:.3f}",
                         "-" if goal is None else _mark(r["ratio"] <= goal), peak])  # fmt: skip
     lines += _table(["comm", "mask", "CP", "ms", "÷ one call", "goal met", "peak MiB per rank"], cp_rows)
+    lines += ["", "## Memory per rank (worst rank; allocator trace of the rank's stream vs the accounting)", ""]
+    mem_rows = []
+    for r in (r for r in rows if r["step"] == "memory"):
+        goal = PEAK_GOALS.get(r["comm"])
+        met = (
+            "-"
+            if goal is None or r["fwd_alloc"] != r["fwd_alloc"]
+            else _mark(r["fwd_alloc"] <= goal[0] and r["bwd_alloc"] <= goal[1])
+        )
+        gap = "-" if r["gap"] != r["gap"] else f"{r['gap']:.3f} {_mark(r['gap'] <= GOALS['alloc_gap'])}"
+        mem_rows.append([r["comm"], r["cp"], f"{r['fwd_alloc']:.2f}", f"{r['fwd_acc']:.2f}", f"{r['bwd_alloc']:.2f}",
+                         f"{r['bwd_acc']:.2f}", met, gap])  # fmt: skip
+    lines += _table(["comm", "CP", "fwd ÷ ideal", "fwd accounting", "bwd ÷ ideal", "bwd accounting", "goal met",
+                     "allocator ÷ accounting"], mem_rows)  # fmt: skip
     lines += ["", "## Overlap of one p2p layer (CP 4 on one GPU, `tests/gpu/test_p2p_trace.py`)", ""]
     lines += _table(["compute kernels", "transfers", "compute µs", "transfer µs", "overlap µs", "overlap ÷ transfer"], [
         [r["compute_kernels"], r["transfers"], f"{r['compute_us']:.0f}", f"{r['transfer_us']:.0f}",

@@ -50,4 +50,8 @@ cudaError_t launch_merge_partial(
     int64_t acc_rows,
     cudaStream_t stream);
 
+// out[r] = sum_d a[r, d] * b[r, d] in fp32 over rows of d 16-bit (fp16/bf16) values.
+cudaError_t launch_row_dot(
+    float* out, const void* a, const void* b, Dtype dtype, int64_t rows, int64_t d, cudaStream_t stream);
+
 }  // namespace megatron_cp_ext

@@ -13,6 +13,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -169,6 +170,26 @@ void merge_partial_cuda(
       stream_of(out)));
 }
 
+at::Tensor row_dot_cuda(const at::Tensor& a, const at::Tensor& b) {
+  check_cuda_contiguous(a, a, "a");
+  check_cuda_contiguous(b, a, "b");
+  TORCH_CHECK(a.dim() >= 1, "a must have a last dim");
+  TORCH_CHECK(a.sizes() == b.sizes(), "a ", dims(a.sizes()), " and b ", dims(b.sizes()), " differ");
+  TORCH_CHECK(
+      a.scalar_type() == b.scalar_type() && (a.scalar_type() == at::kHalf || a.scalar_type() == at::kBFloat16),
+      "a and b must both be fp16 or bf16; got ", a.scalar_type(), ", ", b.scalar_type());
+  const int64_t d = a.size(-1);
+  const int64_t rows = d == 0 ? 0 : a.numel() / d;
+  const c10::cuda::CUDAGuard guard(a.device());
+  const auto shape = a.sizes().slice(0, a.dim() - 1);
+  const auto opts = a.options().dtype(at::kFloat);
+  at::Tensor out = d == 0 ? at::zeros(shape, opts) : at::empty(shape, opts);  // a sum over no terms is 0
+  C10_CUDA_CHECK(launch_row_dot(
+      out.mutable_data_ptr<float>(), a.const_data_ptr(), b.const_data_ptr(), to_dtype(a.scalar_type(), "a"), rows, d,
+      stream_of(a)));
+  return out;
+}
+
 TORCH_LIBRARY(megatron_cp_ext, m) {
   m.set_python_module("megatron_cp_ext.ops");
   m.def("gather_rows(Tensor x, Tensor idx) -> Tensor");
@@ -176,12 +197,14 @@ TORCH_LIBRARY(megatron_cp_ext, m) {
   m.def(
       "merge_partial_(Tensor(a!) out, Tensor(b!) lse, Tensor part_out, Tensor part_lse, "
       "Tensor? idx) -> ()");
+  m.def("row_dot(Tensor a, Tensor b) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(megatron_cp_ext, CUDA, m) {
   m.impl("gather_rows", &gather_rows_cuda);
   m.impl("index_add_rows_", &index_add_rows_cuda);
   m.impl("merge_partial_", &merge_partial_cuda);
+  m.impl("row_dot", &row_dot_cuda);
 }
 
 }  // namespace megatron_cp_ext

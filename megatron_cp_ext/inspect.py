@@ -232,7 +232,7 @@ def _a2a_bytes(plan: A2APlan, hq: int, hkv: int, d: int, dv: int, es: int, token
     rs, rr, packed = _p2p_bytes(ring, nkv[me] * (d + dv) * es, nkv[me] * (d + dv) * 4)
     sent = {"forward": fwd_out + rs["forward"], "backward": bwd_out + rs["backward"]}
     recv = {"forward": fwd_in + rr["forward"], "backward": bwd_in + rr["backward"]}
-    packed += len(plan.perm) if a > 1 else 0
+    # a2a's rows land in group order run by run (``schedules/route.py``): no gather to count
     # the forward's calls: a2a+p2p halves its ring's wide ones on large shards (``p2p_plan.split_wide``)
     split = use_split(ring.counts[ring.rank], nq[me], dv, es)
     fwd = [(st.slot, st.fwd if split and st.fwd is not None else st.plan) for st in ring.steps]

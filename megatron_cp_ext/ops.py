@@ -21,7 +21,7 @@ import importlib
 
 import torch
 
-__all__ = ["HAS_CUDA_EXT", "LSE_FLOOR", "gather_rows", "index_add_rows", "merge_partial"]
+__all__ = ["HAS_CUDA_EXT", "LSE_FLOOR", "gather_rows", "index_add_rows", "merge_partial", "row_dot16"]
 
 
 def _load_extension() -> str | None:
@@ -66,6 +66,10 @@ if HAS_CUDA_EXT:
         idx: torch.Tensor | None,
     ) -> None:
         torch._check(part_out.shape[1:] == out.shape[1:], lambda: "part_out must be [N, H, D]")
+
+    @torch.library.register_fake("megatron_cp_ext::row_dot")
+    def _row_dot_fake(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return a.new_empty(a.shape[:-1], dtype=torch.float32)
 
 
 def _use_kernel(*tensors: torch.Tensor) -> bool:
@@ -194,3 +198,12 @@ def merge_partial(
         torch.ops.megatron_cp_ext.merge_partial_(out_THD, lse_TH, part_out_NHD, part_lse_NH, idx_N)
     else:
         merge_partial_torch(out_THD, lse_TH, part_out_NHD, part_lse_NH, idx_N, acc_finite=acc_finite)
+
+
+def row_dot16(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
+    """``sum_d a[..., d] * b[..., d]`` in fp32 for 16-bit ``a`` and ``b`` of one shape and
+    dtype, by the CUDA kernel (one read of each operand); None where the kernel does not apply
+    (the caller's torch form runs instead)."""
+    if a.dtype in _HALVES and a.dtype == b.dtype and a.shape == b.shape and _use_kernel(a, b):
+        return torch.ops.megatron_cp_ext.row_dot(a, b)
+    return None

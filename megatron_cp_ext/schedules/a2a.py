@@ -32,8 +32,9 @@ from ..sharding import CPSharding
 from . import a2a_groups, p2p
 from .common import KV, GradAcc, OutAcc, Run, acc_dtype, apply_sink, new_accumulators, step_forward, take
 from .delta import row_dot
-from .heads import from_heads, head_room, split_heads, to_heads
+from .heads import assemble, from_heads, head_room, split_heads, to_heads
 from .p2p_plan import plan_narrow, split_wide
+from .route import Route, from_group, routed
 
 __all__ = ["A2APlan", "build_plan", "group_union", "attention", "split_heads"]
 
@@ -52,6 +53,8 @@ class A2APlan:
     """The p2p plan across a2a groups over the groups' token sets (one participant for ``a2a``)."""
     member: int = 0
     """This rank's index in its a2a group (which head shard it computes)."""
+    route: Route | None = None
+    """``perm`` as runs (:mod:`.route`): the eager path moves rows into place, no gathers."""
     _device: dict = field(default_factory=dict, repr=False)
 
     def perms_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,9 +114,9 @@ def build_plan(sharding: CPSharding, a2a_size: int, cp_rank: int, mask: MaskSpec
         if len(ring.counts) > 1:  # the ring's backward owns dout and out: plan what it keeps of them
             ring.narrow = plan_narrow(ring)
             split_wide(ring)  # its forward runs beside the head-sharded q and KV: halve wide partials
-        group = sharding._plans[key] = (counts, perm_t, inv, ring)
-    counts, perm_t, inv, ring = group
-    return A2APlan(counts, perm_t, inv, ring, cp_rank % a2a_size)
+        group = sharding._plans[key] = (counts, perm_t, inv, ring, Route.of(perm, counts))
+    counts, perm_t, inv, ring, route = group
+    return A2APlan(counts, perm_t, inv, ring, cp_rank % a2a_size, route)
 
 
 class _A2AAttention(torch.autograd.Function):
@@ -131,8 +134,8 @@ class _A2AAttention(torch.autograd.Function):
         plan: A2APlan = run.plan
         q_parts, kv_parts = heads
         me, perm, dk = plan.member, plan.perms_on(q.device)[0], k.shape[-1]
-        kv_h = to_heads(torch.cat([k, v], dim=-1), kv_parts, plan.counts, me, a2a_group, perm)
-        q_h = to_heads(q, q_parts, plan.counts, me, a2a_group, perm)
+        kv_h = to_heads((k, v), kv_parts, plan.counts, me, a2a_group, perm, route=plan.route)
+        q_h = to_heads(q, q_parts, plan.counts, me, a2a_group, perm, route=plan.route)
         h0, h1 = q_parts[me]
         if h1 > h0 and len(run.ring.plan.counts) == 1:  # plain a2a: a ring of one
             calls = run.ring.plan.own.on(q.device)
@@ -149,11 +152,10 @@ class _A2AAttention(torch.autograd.Function):
         replicated = _overlap(kv_parts)
         if replicated:  # not saved (k and v are): freed before the output's move home
             del kv_h
-        out_h = out_h.to(q.dtype)  # a 16-bit output: the fp32 accumulator freed before the permutation
-        room = [head_room(*out_h.shape[:2], out_h.shape[2:], q.shape[0], q.shape[1], out_h)]
-        send = [_permuted(out_h, plan.perms_on(q.device)[1], room[0])]
-        del out_h  # the accumulator: freed once permuted
-        y = from_heads(send, q_parts, plan.counts, me, a2a_group, q.shape[0], q.shape[1], room)
+        out_h = out_h.to(q.dtype)  # a 16-bit output: the fp32 accumulator freed before the move
+        send, room = _home_order(out_h, plan, a2a_group, q.shape[0], q.shape[1])
+        del out_h  # the accumulator: freed once sent (or permuted)
+        y = from_heads(send, q_parts, plan.counts, me, a2a_group, q.shape[0], q.shape[1], room, plan.route)
         # the output itself is saved (the next layer keeps it anyway), not a head-sharded copy;
         # backward moves only each row's dout . out to heads (:mod:`.delta`). Replicated KV heads
         # (fewer KV heads than members) would make the head-sharded KV larger than k and v:
@@ -174,7 +176,7 @@ class _A2AAttention(torch.autograd.Function):
         replicated = _overlap(kv_parts)  # as forward decided what to save
         if replicated:
             q_h, k, v, lse, offset, y = ctx.saved_tensors
-            kv_h = to_heads(torch.cat([k, v], dim=-1), kv_parts, plan.counts, me, group, perm)
+            kv_h = to_heads((k, v), kv_parts, plan.counts, me, group, perm, route=plan.route)
             del k, v
         else:
             q_h, kv_h, lse, offset, y = ctx.saved_tensors
@@ -200,7 +202,9 @@ class _A2AAttention(torch.autograd.Function):
         del y
         h0, h1 = q_parts[me]
         d_off = torch.zeros_like(offset) if offset is not None and ctx.needs_input_grad[3] else None
-        dout_h, out_h = a2a_groups.rows_to_heads(dout, delta, q_parts, plan.counts, me, group, perm, lse, offset, d_off)
+        dout_h, out_h = a2a_groups.rows_to_heads(
+            dout, delta, q_parts, plan.counts, me, group, perm, lse, offset, d_off, plan.route
+        )
         del delta
         if h1 > h0:  # the ring's: fp32 / fp64, dK and dV apart (adopted kernel outputs, no packed zeros)
             saved = [dout_h, q_h, out_h, lse]  # handed over: the ring keeps only the rows it reads
@@ -213,10 +217,9 @@ class _A2AAttention(torch.autograd.Function):
             dv_h = torch.zeros_like(kv_h[..., dk:], dtype=acc_dtype(q_h))
         dout_h = out_h = None  # consumed: freed before the gradients are moved back to tokens
         dq_h = dq_h.to(dtype)
-        room = [head_room(*dq_h.shape[:2], dq_h.shape[2:], ctx.t, ctx.hq, dq_h)]
-        send = [_permuted(dq_h, inv, room[0])]
+        send, room = _home_order(dq_h, plan, group, ctx.t, ctx.hq)
         del dq_h
-        dq = from_heads(send, q_parts, plan.counts, me, group, ctx.t, ctx.hq, room)
+        dq = from_heads(send, q_parts, plan.counts, me, group, ctx.t, ctx.hq, room, plan.route)
         kv = [dk_h, dv_h]  # handed over: freed once packed
         del dk_h, dv_h
         return dq, *_kv_home(kv, kv_parts, plan, group, inv, replicated, shape, dtype), d_off, None, None, None
@@ -232,6 +235,12 @@ def _kv_home(kv: list, kv_parts, plan: A2APlan, group, inv, replicated: bool, sh
     members send different element sizes does not match."""
     t, _, hkv = shape
     dv_h, dk_h = kv.pop(), kv.pop()
+    if routed(plan.route, group):  # dK and dV travel as they are, no packing
+        travel = acc_dtype(dk_h) if replicated else dtype
+        ys = [x.to(travel) for x in (dk_h, dv_h)]
+        del dk_h, dv_h
+        bufs, views = from_group(ys, kv_parts, plan.member, group, plan.route, t)
+        return tuple(assemble(p, kv_parts, t, hkv, b.dtype).to(dtype) for b, p in zip(bufs, views))
     room = [_pack_home(dk_h, dv_h, inv, acc_dtype(dk_h) if replicated else dtype, t, hkv)]
     width = dk_h.shape[-1] + dv_h.shape[-1]
     send = [room[0][: dk_h.shape[0] * dk_h.shape[1] * width].view(*dk_h.shape[:2], width)]
@@ -244,6 +253,16 @@ def _kv_home(kv: list, kv_parts, plan: A2APlan, group, inv, replicated: bool, sh
 def _overlap(parts: tuple[tuple[int, int], ...]) -> bool:
     """Whether members' head ranges overlap (replicated KV heads, summed on the way home)."""
     return len({r for a, b in parts for r in range(a, b)}) < sum(b - a for a, b in parts)
+
+
+def _home_order(x: torch.Tensor, plan: A2APlan, group, t: int, heads: int) -> tuple[list, list | None]:
+    """What :func:`.heads.from_heads` sends of ``x`` (head layout, group order) and its room:
+    ``x`` itself where it moves by route, else ``x`` permuted to member order into a
+    :func:`.heads.head_room` that the result then reuses."""
+    if routed(plan.route, group):
+        return [x], None
+    room = [head_room(*x.shape[:2], x.shape[2:], t, heads, x)]
+    return [_permuted(x, plan.perms_on(x.device)[1], room[0])], room
 
 
 def _permuted(x: torch.Tensor, inv: torch.Tensor, room: torch.Tensor) -> torch.Tensor:

@@ -34,6 +34,7 @@ import torch
 from .common import KV, acc_dtype, sink_grad
 from .delta import row_dot, stand_in
 from .heads import Range, heads_into, to_heads
+from .route import routed
 
 __all__ = [
     "MIN_GROUP_BYTES", "RING_MIN_GROUP_BYTES", "GROUPS", "group_parts", "valid", "choose", "rows_to_heads", "backward",
@@ -148,13 +149,14 @@ def rows_to_heads(
     lse: torch.Tensor,
     offset: torch.Tensor | None,
     d_off: torch.Tensor | None,
+    route=None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``dout`` (token layout) and each row's ``dout . out`` (``delta``, ``[t, H, 1]``) moved
     to this member's query heads ``q_parts[me]``: returns ``dout_h`` and the output's stand-in
     (:mod:`.delta`; ``None`` without heads), and writes those heads' sink gradient into
     ``d_off`` (when given) from the moved row terms, whose ``lse`` they share."""
-    dout_h = to_heads(dout, q_parts, counts, me, group, perm, exact=False)
-    delta_h = to_heads(delta, q_parts, counts, me, group, perm, exact=False)[..., 0]
+    dout_h = to_heads(dout, q_parts, counts, me, group, perm, exact=False, route=route)
+    delta_h = to_heads(delta, q_parts, counts, me, group, perm, exact=False, route=route)[..., 0]
     a, b = q_parts[me]
     if b <= a:
         return dout_h, None
@@ -177,6 +179,7 @@ def backward(
     q_h, kv_h, lse, dout, y = tensors
     (q_parts, kv_parts), me, counts, (t, hq, hkv) = heads, plan.member, plan.counts, shape
     perm, inv = plan.perms_on(dout.device)
+    by_route = routed(plan.route, group)
     parts = group_parts(q_parts, kv_parts, hq, hkv, groups)
     h0, k0 = q_parts[me][0], kv_parts[me][0]
     dtype = acc_dtype(kv_h) if wide or _shared(parts, me) else kv_h.dtype  # summed partials: widened
@@ -193,7 +196,7 @@ def backward(
     for q_j, kv_j in parts:
         (a, b), (ka, kb) = q_j[me], kv_j[me]
         lse_j = lse[:, a - h0 : b - h0]
-        dout_h, out_h = rows_to_heads(dout, delta, q_j, counts, me, group, perm, lse_j, offset, d_off)
+        dout_h, out_h = rows_to_heads(dout, delta, q_j, counts, me, group, perm, lse_j, offset, d_off, plan.route)
         if b > a:
             saved = [dout_h, q_h[:, a - h0 : b - h0], out_h, lse_j]  # handed over
             del dout_h, out_h
@@ -203,9 +206,9 @@ def backward(
         else:
             g_q = q_h.new_zeros((q_h.shape[0], 0, q_h.shape[-1]))
         dout_h = out_h = None
-        send = [g_q.to(q_h.dtype).index_select(0, inv)]
+        send = [g_q.to(q_h.dtype) if by_route else g_q.to(q_h.dtype).index_select(0, inv)]
         del g_q
-        heads_into(send, q_j, counts, me, group, dq)
+        heads_into(send, q_j, counts, me, group, dq, plan.route)
         if b > a and not wide:
             for i, g_x in enumerate((g_k, g_v)):
                 acc[i] = _add(acc[i], g_x, (ka - k0, kb - k0), ka >= done, kv_h.shape[:2], dtype)

@@ -22,7 +22,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-__all__ = ["split_heads", "to_heads", "from_heads", "head_room", "heads_into", "a2a_bytes"]
+from .route import Route, from_group, routed, to_group
+
+__all__ = ["split_heads", "to_heads", "from_heads", "head_room", "heads_into", "a2a_bytes", "assemble"]
 
 Range = tuple[int, int]
 Count = int | np.ndarray
@@ -112,22 +114,30 @@ def _regular(parts: tuple[Range, ...], heads: int) -> slice | None:
 
 
 def to_heads(
-    x: torch.Tensor,
+    x: torch.Tensor | tuple[torch.Tensor, ...],
     parts: tuple[Range, ...],
     counts: list[int],
     me: int,
     group,
     perm: torch.Tensor | None = None,
     exact: bool = True,
+    route: Route | None = None,
 ) -> torch.Tensor:
     """``[t, H, D]`` (own tokens, all heads) -> ``[T_group, h_me, D]`` (every member's tokens of
     this member's heads ``parts[me]``, member after member: a view of the receive buffer).
+    A tuple ``x`` (``[t, H, D_i]`` each) moves packed side by side on the last dim.
 
     ``perm``: the result's rows are ``received[perm]`` instead, gathered into the send buffer
     once the all-to-all has sent it (sized for both), so the move and the reordering hold two
     buffers, not three: the receive buffer is freed on return. ``exact``: only where the send
     buffer is no larger than the result (a tensor saved for backward keeps its own size); else
-    the send buffer may be a little larger than the result (members' token counts differ)."""
+    the send buffer may be a little larger than the result (members' token counts differ).
+    ``route``: the same rows in ``perm``'s order, moved run by run into place (:mod:`.route`:
+    no gather, no receive buffer) where :func:`.route.routed` says so."""
+    if routed(route, group):
+        return to_group(x if isinstance(x, tuple) else (x,), parts, me, group, route)
+    if isinstance(x, tuple):
+        x = torch.cat(x, dim=-1)
     a0, a1 = parts[me]
     if group is None:
         return x[:, a0:a1] if perm is None else x[:, a0:a1].index_select(0, perm)
@@ -168,15 +178,23 @@ def from_heads(
     t: int,
     heads: int,
     room: list[torch.Tensor] | None = None,
+    route: Route | None = None,
 ) -> torch.Tensor:
     """Inverse of :func:`to_heads`: ``[T_group, h_me, D]`` -> ``[t, heads, D]``. Where members'
     ranges overlap (replicated KV heads), their contributions are summed in ``y``'s dtype.
+    ``route``: ``y`` is in group order and moves run by run (:mod:`.route`) where
+    :func:`.route.routed` says so; else it is in member order (the caller permuted it).
 
     ``y`` may be handed over in a one-element list: it is then taken out and freed as soon as
     it is sent, before the result is assembled (an argument stays alive until the call returns).
     ``room``: a one-element list holding the :func:`head_room` buffer ``y`` is a view of (its
     first elements); the result is then written into it once ``y`` is sent.
     """
+    if routed(route, group):
+        ys = y if isinstance(y, list) else [y]
+        del y
+        bufs, views = from_group(ys, parts, me, group, route, t)
+        return assemble(views[0], parts, t, heads, bufs[0].dtype)
     if isinstance(y, list):
         y = y.pop()
     store = room.pop() if room else None
@@ -198,22 +216,40 @@ def from_heads(
     fits = fits and not torch.compiler.is_compiling()  # no ``out=`` views under dynamo
     out = store[:numel].view(t, heads, *d) if fits else None
     del store
+    return assemble([g.view(t, b - a, *d) for g, (a, b) in zip(got, parts)], parts, t, heads, dtype, out)
+
+
+def assemble(pieces: list, parts: tuple[Range, ...], t: int, heads: int, dtype, out=None) -> torch.Tensor:
+    """``[t, heads, D]`` from each member's ``[t, h_j, D]`` piece (``None`` or empty for a
+    member without heads): one ``cat``, or a sum where members' ranges overlap. ``out``: the
+    buffer to write it into (else new)."""
+    first = next(p for p in pieces if p is not None)
+    d = first.shape[2:]
     overlap = len({r for a, b in parts for r in range(a, b)}) < sum(b - a for a, b in parts)
     if not overlap:
-        pieces = [g.view(t, b - a, *d) for g, (a, b) in zip(got, parts)]
+        pieces = [p for p in pieces if p is not None]
         return torch.cat(pieces, dim=1) if out is None else torch.cat(pieces, dim=1, out=out)
-    out = flat.new_zeros((t, heads, *d), dtype=dtype) if out is None else out.zero_()
-    for g, (a, b) in zip(got, parts):
-        out[:, a:b].add_(g.view(t, b - a, *d))
+    out = first.new_zeros((t, heads, *d), dtype=dtype) if out is None else out.zero_()
+    for p, (a, b) in zip(pieces, parts):
+        if p is not None:
+            out[:, a:b].add_(p)
     return out
 
 
-def heads_into(y: list[torch.Tensor], parts: tuple[Range, ...], counts: list[int], me: int, group, out) -> None:
+def heads_into(
+    y: list[torch.Tensor], parts: tuple[Range, ...], counts: list[int], me: int, group, out, route: Route | None = None
+) -> None:
     """:func:`from_heads` of a subset of the heads into ``out`` (``[t, H, D]``, the whole
     result): members' ranges ``parts`` (disjoint) are written where they belong, the other
     heads are left as they are. ``y`` (``[T_group, h_me, D]``, one contiguous buffer) is
     handed over in a one-element list and freed once sent. The a2a backward by head groups
-    sends each group's dq home with it."""
+    sends each group's dq home with it. ``route``: as :func:`from_heads`'."""
+    if routed(route, group):
+        _, views = from_group(y, parts, me, group, route, out.shape[0])
+        for p, (a, b) in zip(views[0], parts):
+            if p is not None:
+                out[:, a:b].copy_(p)
+        return
     y_flat, d, t = y.pop().view(-1), out.shape[2:], out.shape[0]
     width = int(torch.Size(d).numel())
     if group is None:

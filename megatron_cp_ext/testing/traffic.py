@@ -7,14 +7,15 @@ Every other op that launches work is counted by rule, from shapes only, so the c
 exact and the same on every run:
 
 * written: the bytes of every output (for an in-place or ``out=`` op, the tensor it mutates);
-* read: the bytes of every tensor argument, except the destination of ``copy_`` and of fills
-  (overwritten, not read), and the source of a gather (``index_select``, ``gather``, indexing
+* read: the bytes of every tensor argument, except the destination of ``copy_``, of fills and
+  of an ``out=`` op (overwritten, not read), and the source of a gather (``index_select``, ``gather``, indexing
   by a tensor), which reads only as many rows as it writes;
 * a scatter (``index_add_``, ``index_copy_``, ``index_put_``) writes, and for an add reads, only
   the rows it is given, not its whole destination;
 * a merge of a partial result (``ops.merge_partial``) counts as the one fused kernel the GPU
   runs (``csrc``): the partial and its lse read, the accumulator rows and their lse read and
-  written, the index read; the CPU fallback's own ops are not counted;
+  written, the index read; the CPU fallback's own ops are not counted; a 16-bit row dot
+  (``ops.row_dot16``, a2a's backward) likewise: both operands read, the fp32 result written;
 * ``launches``: such ops (views, metadata ops and allocations excluded).
 
 The ideal a layer cannot avoid: forward, its q, k, v read and out and lse written; backward,
@@ -85,7 +86,9 @@ class Traffic(TorchDispatchMode):
         else:
             written = sum(nbytes(t) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
         read = 0
-        skip = {id(t) for t in dests} if base in _PURE_WRITES or base.rstrip("_") in _PURE_WRITES else set()
+        pure = base in _PURE_WRITES or base.rstrip("_") in _PURE_WRITES
+        # an ``out=`` argument is only written; an in-place op's ``self`` is read too
+        skip = {id(named[n]) for n in mutable if isinstance(named.get(n), torch.Tensor) and (pure or n != "self")}
         if base.rstrip("_") in _SCATTERS:
             src = [t for n, t in named.items() if n not in mutable and isinstance(t, torch.Tensor)]
             written = sum(nbytes(t) for t in src if t.is_floating_point())
@@ -110,10 +113,11 @@ class Traffic(TorchDispatchMode):
 
 @contextlib.contextmanager
 def fused_merges(tr: Traffic) -> Iterator[None]:
-    """Within the block, the schedules' merges count in ``tr`` as the fused GPU kernel."""
-    from ..schedules import common
+    """Within the block, the schedules' merges and 16-bit row dots (a2a's backward) count in
+    ``tr`` as the csrc kernels a GPU runs; their CPU fallbacks' own ops are not counted."""
+    from ..schedules import common, delta
 
-    plain = common.merge_partial
+    plain, plain_dot = common.merge_partial, delta._row_dot16
 
     def merge(out, lse, part, part_lse, idx, **kw):
         rows = part.shape[0]
@@ -126,11 +130,24 @@ def fused_merges(tr: Traffic) -> Iterator[None]:
         finally:
             tr.suspended -= 1
 
-    common.merge_partial = merge
+    def row_dot16(a, b):
+        out = a.new_empty(a.shape[:-1], dtype=torch.float32)
+        tr.count("row_dot", nbytes(a) + nbytes(b), nbytes(out))
+        tr.suspended += 1
+        try:
+            return _dot_fallback(a, b)
+        finally:
+            tr.suspended -= 1
+
+    common.merge_partial, delta._row_dot16 = merge, row_dot16
     try:
         yield
     finally:
-        common.merge_partial = plain
+        common.merge_partial, delta._row_dot16 = plain, plain_dot
+
+
+def _dot_fallback(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.bmm(a.reshape(-1, 1, a.shape[-1]).float(), b.reshape(-1, b.shape[-1], 1).float()).view(a.shape[:-1])
 
 
 def layer_traffic(rank: int, world: int, comm: str, lens: list[int], shape: tuple[int, int, int], dtype: str,

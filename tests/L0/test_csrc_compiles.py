@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import shutil
 import subprocess
+import sys
 import sysconfig
 from pathlib import Path
 
@@ -25,6 +26,7 @@ NVCC = shutil.which("nvcc")
 def _build_support():
     spec = importlib.util.spec_from_file_location("build_ext_support", ROOT / "build_ext_support.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(spec.name, module)  # its dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 

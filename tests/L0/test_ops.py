@@ -160,3 +160,16 @@ def test_merging_key_blocks_equals_attention_over_all_keys() -> None:
 def test_cpu_tensors_never_reach_the_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ops, "HAS_CUDA_EXT", True)
     assert not ops._use_kernel(torch.zeros(2), torch.zeros(2, dtype=torch.long))
+
+
+def test_row_dot16_falls_back_on_cpu():
+    """Off CUDA the kernel does not apply (None) and the schedules' row dot takes its torch
+    form: products exact in fp32, against fp64 within the fp32 sum's rounding."""
+    from megatron_cp_ext.schedules.delta import row_dot
+
+    a, b = (torch.randn(50, 3, 72, generator=_gen(s)).to(torch.bfloat16) for s in (1, 2))
+    assert ops.row_dot16(a, b) is None
+    want = (a.double() * b.double()).sum(-1)
+    bound = (a.double() * b.double()).abs().sum(-1) * 72 * 2.0**-23
+    got = row_dot(a, b)
+    assert got.dtype == torch.float32 and ((got.double() - want).abs() <= bound).all()

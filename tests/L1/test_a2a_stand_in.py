@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 import megatron_cp_ext as mcx
 from megatron_cp_ext.backends import reference
-from megatron_cp_ext.schedules import a2a_groups, heads
+from megatron_cp_ext.schedules import a2a_groups, heads, route
 from megatron_cp_ext.schedules.delta import row_dot, stand_in
 from megatron_cp_ext.testing.inproc import run_threads
 
@@ -83,6 +83,14 @@ def _counting(orig):
     return a2a_flat
 
 
+def _counting_runs(orig):
+    def exchange(group, sends, recvs):
+        _SENT.bytes = getattr(_SENT, "bytes", 0) + sum(m.tensor.numel() * m.tensor.element_size() for m in sends)
+        return orig(group, sends, recvs)
+
+    return exchange
+
+
 def _backward_bytes(rank, world, cu, hq, hkv, dtype, comm="a2a"):
     sharding = mcx.shard_sequences(cu, world)
     t = sharding.num_tokens(rank)
@@ -104,6 +112,7 @@ def test_backward_sends_what_inspect_counts(monkeypatch, hq, hkv, dtype, groups)
     heads also move the saved k and v again, and send dK/dV home in fp32) — the bytes the plan
     report and the ``auto`` estimate price."""
     monkeypatch.setattr(heads, "_a2a_flat", _counting(heads._a2a_flat))
+    monkeypatch.setattr(route, "_exchange", _counting_runs(route._exchange))
     monkeypatch.setattr(a2a_groups, "GROUPS", groups)
     cu = np.cumsum([0, 200, 37, 0, 90, 185]).tolist()
     world = 4
@@ -120,6 +129,7 @@ def test_hierarchical_all_to_alls_send_what_inspect_counts(monkeypatch, hq, hkv,
     """a2a+p2p (a2a groups of 2 at cp 4): its all-to-alls' backward bytes equal the plan
     report's a2a step (the ring's messages are counted apart, by its ring steps)."""
     monkeypatch.setattr(heads, "_a2a_flat", _counting(heads._a2a_flat))
+    monkeypatch.setattr(route, "_exchange", _counting_runs(route._exchange))
     monkeypatch.setattr(a2a_groups, "GROUPS", groups)
     cu = np.cumsum([0, 200, 37, 0, 90, 185]).tolist()
     got = run_threads(4, _backward_bytes, cu, hq, hkv, dtype, "a2a+p2p", timeout=120)

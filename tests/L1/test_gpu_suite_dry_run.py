@@ -43,6 +43,7 @@ def test_dry_run_runs_every_step(tmp_path):
         "| reference | window |",
         "| a2a+p2p | causal | 8 |",
         "| cp1 | causal | 1 |",
+        "| a2a+p2p | 8 | nan |",  # memory per rank: the accounting only, on CPU
     ):
         assert needle in report, needle
     assert "| h100-nvlink-ib400 |" in report

@@ -26,6 +26,29 @@ def test_fused_merge_counts_the_kernel():
     assert out[4].eq(1).all() and out[1].eq(0).all()
 
 
+def test_row_dot_counts_the_kernel():
+    """a2a's 16-bit row dot (bf16, 3 rows x 2 heads x 4): both operands (48 B each) read, the
+    fp32 result (24 B) written, one launch; the CPU form's widened copies unseen."""
+    from megatron_cp_ext.schedules.delta import row_dot
+    from megatron_cp_ext.testing.traffic import fused_merges
+
+    a, b = (torch.randn(3, 2, 4, generator=torch.Generator().manual_seed(s)).to(torch.bfloat16) for s in (0, 1))
+    with Traffic() as tr, fused_merges(tr):
+        got = row_dot(a, b)
+    assert (tr.read, tr.written, tr.launches) == (96, 24, 1)
+    assert torch.equal(got, row_dot(a, b))
+
+
+def test_out_argument_is_written_not_read():
+    """``index_select(..., out=)``: the 3 gathered rows read and written, the index read; the
+    ``out`` buffer it overwrites is not read."""
+    a, idx = torch.zeros(10, 4), torch.tensor([1, 3, 5])
+    dst = torch.empty(3, 4)
+    with Traffic() as tr:
+        torch.index_select(a, 0, idx, out=dst)
+    assert (tr.read, tr.written) == (48 + 24, 48)
+
+
 def test_rules_on_single_ops():
     a, b = torch.zeros(10, 4), torch.zeros(10, 4)  # 160 B each
     idx = torch.tensor([1, 3, 5])  # 24 B
@@ -56,15 +79,15 @@ LENS = [700, 3, 0, 250, 600, 64, 431]
 PINNED = {
     (2, "p2p"): (3.265, 2.314, 4, 11),
     (2, "all_gather"): (1.115, 2.433, 4, 12),
-    (2, "a2a"): (2.904, 4.351, 8, 32),
+    (2, "a2a"): (1.205, 2.147, 21, 44),
     (4, "p2p"): (3.952, 2.731, 6, 21),
     (4, "all_gather"): (2.749, 2.283, 7, 15),
-    (4, "a2a"): (2.440, 3.937, 11, 45),
-    (4, "a2a+p2p"): (4.169, 5.540, 12, 52),
+    (4, "a2a"): (0.933, 2.324, 23, 67),
+    (4, "a2a+p2p"): (2.628, 3.708, 21, 59),
     (8, "p2p"): (5.462, 3.288, 8, 35),
     (8, "all_gather"): (1.709, 1.795, 7, 15),
-    (8, "a2a"): (2.334, 3.442, 15, 53),
-    (8, "a2a+p2p"): (4.863, 6.005, 14, 64),
+    (8, "a2a"): (0.872, 2.095, 39, 98),
+    (8, "a2a+p2p"): (3.388, 4.313, 25, 71),
 }
 
 

@@ -63,3 +63,23 @@ def test_ops_trace_under_compile():
     assert torch.equal(got, want)
     for a, b in zip(args, eager):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(1000, 8, 128), (37, 3, 72), (5, 2, 7), (0, 4, 64), (6, 2, 0)])
+def test_row_dot_kernel_against_fp64(dtype, shape):
+    """The 16-bit row dot kernel (a2a's dout . out) against fp64: the products are exact in
+    fp32, so only the fp32 sum rounds (bound: d ulps of the sum of |products|); the torch
+    form it replaces agrees to the same bound."""
+    from megatron_cp_ext.schedules.delta import row_dot
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    a, b = (torch.randn(shape, generator=g, device="cuda").to(dtype) for _ in range(2))
+    got = ops.row_dot16(a, b)
+    assert got is not None and got.dtype == torch.float32 and got.shape == shape[:-1]
+    want = (a.double() * b.double()).sum(-1)
+    bound = (a.double() * b.double()).abs().sum(-1) * shape[-1] * 2.0**-23
+    assert ((got.double() - want).abs() <= bound).all()
+    assert torch.equal(row_dot(a, b), got)  # the schedules' entry takes the kernel
+    chunked = (a.float() * b.float()).sum(-1)
+    assert ((chunked.double() - want).abs() <= bound).all()
