@@ -360,6 +360,7 @@ STEPS = {
         bench_cp(s),
         _breakdown().kernel_breakdown(s, cps=s.cp_sizes),
         _memory().memory_by_rank(s, cps=_mem_cps(s)),
+        _breakdown().route_choice(s, cp=s.cp_sizes[-1]),
         _breakdown().host_profile(s),
     ),
     "memory": lambda s: _memory().memory_by_rank(s, cps=_mem_cps(s)),

@@ -154,6 +154,40 @@ def kernel_breakdown(s: Sizes, comms=("p2p", "all_gather", "a2a", "a2a+p2p"), cp
     print(f"\nkernel time ÷ one call (transfers excluded), causal, CP {top}: {line}")
 
 
+def route_choice(s: Sizes, cp: int = 8) -> None:
+    """``a2a`` at CP ``cp`` with its head moves by route (every move run by run into place) and by
+    all-to-all + gather (none routed), side by side: kernel time by category and wall time per
+    forward+backward — the measurement that sets ``schedules/route.py``'s ``MIN_BYTES``."""
+    from gpu_bench import _rank_step
+
+    from megatron_cp_ext.schedules import route
+
+    lens, cu, q, k, v = _batch(s)
+    full = [q, k, v, torch.randn_like(q)]
+    cuda = s.device == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    print(f"\n| a2a moves, CP {cp} | kernel ms (transfers excluded) | copies ms | transfers ms | wall ms |")
+    print("|---|---|---|---|---|")
+    saved = route.MIN_BYTES, route.CPU_MIN_BYTES
+    try:
+        for name, floor in (("by route", 0), ("all-to-all + gather", 1 << 62)):
+            route.MIN_BYTES = route.CPU_MIN_BYTES = floor
+            run_threads(cp, _rank, s, "a2a", lens, full, False, device=s.device, timeout=240)  # warm
+            with profile(activities=acts) as prof:
+                run_threads(cp, _rank, s, "a2a", lens, full, False, device=s.device, timeout=240)
+                if cuda:
+                    torch.cuda.synchronize()
+            b = {n: c["us"] / 2e3 for n, c in sort_kernels(_spans(prof, cuda)).items()}  # two steps per rank
+            out = run_threads(cp, _rank_step, s, "a2a", "causal", lens, full, s.iters, device=s.device, timeout=240)
+            wall = max(o["seconds"] for o in out) / s.iters * 1e3
+            excl = sum(ms for n, ms in b.items() if n != "transfers")
+            print(f"| {name} | {excl:.2f} | {b['copies']:.2f} | {b['transfers']:.2f} | {wall:.2f} |")
+            result(step="route", moves=name, cp=cp, kernel_ms=excl, copies_ms=b["copies"],
+                   transfers_ms=b["transfers"], wall_ms=wall)  # fmt: skip
+    finally:
+        route.MIN_BYTES, route.CPU_MIN_BYTES = saved
+
+
 def host_profile(s: Sizes, cp: int = 8) -> None:
     lens, cu, q, k, v = _batch(s)
     from megatron_cp_ext.backends import get_backend

@@ -5,6 +5,10 @@ and receives), launches, and the ops that move most, for the worst rank.
 
     python benchmarks/traffic.py                       # 16K tokens, 32/8 heads, d 128, bf16
     python benchmarks/traffic.py --tokens 2048 --heads 8 --kv-heads 2 --head-dim 64
+    python benchmarks/traffic.py --comm a2a --cp 8 --route-floor 0   # a2a's moves all by route
+
+a2a's head moves go run by run into place (``schedules/route.py``) where a GPU's would
+(mean message of at least ``route.MIN_BYTES``), unless ``--route-floor`` says otherwise.
 
 Gloo ranks on CPU with flash-shaped stub kernels: exact counts, the same on every run.
 """
@@ -35,6 +39,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--cp", default="2,4,8")
     ap.add_argument("--balance", default="workload")
+    ap.add_argument("--comm", default=",".join(COMMS), help="comm types, comma-separated")
+    ap.add_argument("--route-floor", type=int, default=None, help="a2a: route messages of at least this many bytes")
     args = ap.parse_args(argv)
     lens = batches.lognormal(args.tokens, median=args.median, seed=args.seed)
     shape = (args.heads, args.kv_heads, args.head_dim)
@@ -43,10 +49,12 @@ def main(argv: list[str] | None = None) -> None:
     print("| cp | comm | fwd ÷ ideal | bwd ÷ ideal | fwd launches | bwd launches | most bytes (fwd; bwd) |")
     print("|---|---|---|---|---|---|---|")
     for cp in map(int, args.cp.split(",")):
-        for comm in COMMS:
+        for comm in args.comm.split(","):
             if comm == "a2a+p2p" and (cp < 4 or cp % 2):
                 continue
-            res = run_on_ranks(cp, layer_traffic, comm, lens, shape, args.dtype, args.balance, timeout=900)
+            res = run_on_ranks(
+                cp, layer_traffic, comm, lens, shape, args.dtype, args.balance, args.route_floor, timeout=900
+            )
             worst = max(res, key=lambda r: r["fwd"] + r["bwd"])
             top = "; ".join(", ".join(name for name, _ in worst["top"][p][:3]) for p in ("fwd", "bwd"))
             print(f"| {cp} | {comm} | {max(r['fwd'] for r in res):.2f} | {max(r['bwd'] for r in res):.2f} | "

@@ -235,8 +235,9 @@ def _kv_home(kv: list, kv_parts, plan: A2APlan, group, inv, replicated: bool, sh
     members send different element sizes does not match."""
     t, _, hkv = shape
     dv_h, dk_h = kv.pop(), kv.pop()
-    if routed(plan.route, group):  # dK and dV travel as they are, no packing
-        travel = acc_dtype(dk_h) if replicated else dtype
+    travel = acc_dtype(dk_h) if replicated else dtype
+    row = hkv * (dk_h.shape[-1] + dv_h.shape[-1]) * travel.itemsize
+    if routed(plan.route, group, row, dk_h.device):  # dK and dV travel as they are, no packing
         ys = [x.to(travel) for x in (dk_h, dv_h)]
         del dk_h, dv_h
         bufs, views = from_group(ys, kv_parts, plan.member, group, plan.route, t)
@@ -259,7 +260,7 @@ def _home_order(x: torch.Tensor, plan: A2APlan, group, t: int, heads: int) -> tu
     """What :func:`.heads.from_heads` sends of ``x`` (head layout, group order) and its room:
     ``x`` itself where it moves by route, else ``x`` permuted to member order into a
     :func:`.heads.head_room` that the result then reuses."""
-    if routed(plan.route, group):
+    if routed(plan.route, group, heads * int(torch.Size(x.shape[2:]).numel()) * x.element_size(), x.device):
         return [x], None
     room = [head_room(*x.shape[:2], x.shape[2:], t, heads, x)]
     return [_permuted(x, plan.perms_on(x.device)[1], room[0])], room

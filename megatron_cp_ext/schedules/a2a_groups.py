@@ -179,7 +179,7 @@ def backward(
     q_h, kv_h, lse, dout, y = tensors
     (q_parts, kv_parts), me, counts, (t, hq, hkv) = heads, plan.member, plan.counts, shape
     perm, inv = plan.perms_on(dout.device)
-    by_route = routed(plan.route, group)
+    by_route = routed(plan.route, group, hq * q_h.shape[-1] * q_h.element_size(), q_h.device)
     parts = group_parts(q_parts, kv_parts, hq, hkv, groups)
     h0, k0 = q_parts[me][0], kv_parts[me][0]
     dtype = acc_dtype(kv_h) if wide or _shared(parts, me) else kv_h.dtype  # summed partials: widened

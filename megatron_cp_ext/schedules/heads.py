@@ -134,8 +134,9 @@ def to_heads(
     the send buffer may be a little larger than the result (members' token counts differ).
     ``route``: the same rows in ``perm``'s order, moved run by run into place (:mod:`.route`:
     no gather, no receive buffer) where :func:`.route.routed` says so."""
-    if routed(route, group):
-        return to_group(x if isinstance(x, tuple) else (x,), parts, me, group, route)
+    xs = x if isinstance(x, tuple) else (x,)
+    if routed(route, group, sum(_row_bytes(t) for t in xs), xs[0].device):
+        return to_group(xs, parts, me, group, route)
     if isinstance(x, tuple):
         x = torch.cat(x, dim=-1)
     a0, a1 = parts[me]
@@ -156,6 +157,11 @@ def to_heads(
     out = flat[: rows * width].view(rows, h_me, *d)
     torch.index_select(got, 0, perm, out=out)
     return out
+
+
+def _row_bytes(x: torch.Tensor) -> int:
+    """Bytes of one row of ``x`` (all its heads)."""
+    return int(torch.Size(x.shape[1:]).numel()) * x.element_size()
 
 
 def head_room(
@@ -190,7 +196,8 @@ def from_heads(
     ``room``: a one-element list holding the :func:`head_room` buffer ``y`` is a view of (its
     first elements); the result is then written into it once ``y`` is sent.
     """
-    if routed(route, group):
+    first = y[0] if isinstance(y, list) else y
+    if routed(route, group, heads * int(torch.Size(first.shape[2:]).numel()) * first.element_size(), first.device):
         ys = y if isinstance(y, list) else [y]
         del y
         bufs, views = from_group(ys, parts, me, group, route, t)
@@ -244,7 +251,7 @@ def heads_into(
     heads are left as they are. ``y`` (``[T_group, h_me, D]``, one contiguous buffer) is
     handed over in a one-element list and freed once sent. The a2a backward by head groups
     sends each group's dq home with it. ``route``: as :func:`from_heads`'."""
-    if routed(route, group):
+    if routed(route, group, _row_bytes(out), out.device):
         _, views = from_group(y, parts, me, group, route, out.shape[0])
         for p, (a, b) in zip(views[0], parts):
             if p is not None:

@@ -24,10 +24,19 @@ import torch
 
 from ..comm import Message, Peers
 
-__all__ = ["Route", "routed", "to_group", "from_group"]
+__all__ = ["Route", "routed", "to_group", "from_group", "MIN_BYTES", "CPU_MIN_BYTES"]
 
 _TAG = 4
 """The head moves' tag (the ring's streams use 0 and 2)."""
+
+MIN_BYTES = 1 << 20
+"""On CUDA a move goes by route only where its mean message (a run's rows of one member's
+heads) carries at least this many bytes: each message has a fixed cost that the gather it
+saves (two passes over the tensor at HBM speed) must outweigh. Provisional: the suite's
+``cp`` step times ``a2a`` both ways (``benchmarks/gpu_breakdown.py``) to set it."""
+CPU_MIN_BYTES = 0
+"""The same on CPU (gloo: the tests and CPU benchmarks route every move they can); the
+traffic proxy sets it to :data:`MIN_BYTES` to decide as a GPU would."""
 
 Range = tuple[int, int]
 
@@ -41,6 +50,7 @@ class Route:
     src: tuple[int, ...]
     dst: tuple[int, ...]
     n: tuple[int, ...]
+    members: int = 1
 
     @classmethod
     def of(cls, perm: np.ndarray, counts: list[int]) -> Route:
@@ -48,7 +58,7 @@ class Route:
         and the members' token counts."""
         perm = np.asarray(perm, dtype=np.int64)
         if not len(perm):
-            return cls(owner=(), src=(), dst=(), n=())
+            return cls(owner=(), src=(), dst=(), n=(), members=len(counts))
         ends = np.cumsum(counts)
         owner = np.searchsorted(ends, perm, side="right")
         local = perm - (ends - np.asarray(counts))[owner]
@@ -57,15 +67,21 @@ class Route:
         start = np.nonzero(cut)[0]
         n = np.diff(np.append(start, len(perm)))
         return cls(owner=tuple(owner[start].tolist()), src=tuple(local[start].tolist()),
-                   dst=tuple(start.tolist()), n=tuple(n.tolist()))  # fmt: skip
+                   dst=tuple(start.tolist()), n=tuple(n.tolist()), members=len(counts))  # fmt: skip
 
     def runs(self):
         return zip(self.owner, self.src, self.dst, self.n)
 
 
-def routed(route: Route | None, group) -> bool:
-    """Whether a move goes by :class:`Route` (eager, with peers) rather than all-to-all."""
-    return route is not None and group is not None and not torch.compiler.is_compiling()
+def routed(route: Route | None, group, row_bytes: int, device: torch.device) -> bool:
+    """Whether a move goes by :class:`Route` rather than all-to-all and gather: eager, with
+    peers, and (:data:`MIN_BYTES`) where its mean message is large enough. ``row_bytes``: one
+    token's bytes over all heads of the tensor moved (the same on every member, so every
+    member decides alike)."""
+    if route is None or group is None or not route.n or torch.compiler.is_compiling():
+        return False
+    floor = MIN_BYTES if device.type == "cuda" else CPU_MIN_BYTES
+    return sum(route.n) * row_bytes >= floor * len(route.n) * route.members
 
 
 _PEERS: dict = {}

@@ -151,17 +151,30 @@ def _dot_fallback(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def layer_traffic(rank: int, world: int, comm: str, lens: list[int], shape: tuple[int, int, int], dtype: str,
-                  balance: str = "workload") -> dict:  # fmt: skip
+                  balance: str = "workload", route_floor: int | None = None) -> dict:  # fmt: skip
     """One rank's traffic for one ``cp_attention`` layer (flash-shaped stub kernels; plan built
     and agreed before): per phase, bytes moved by ops outside the kernels, the ideal and launches.
     Runs inside a rank of :func:`.pool.run_on_ranks` (gloo: its collectives run in C++, outside
-    the count; the in-process runner's would be counted, on whichever thread joins last)."""
+    the count; the in-process runner's would be counted, on whichever thread joins last).
+    a2a's moves go by route (``schedules/route.py``) where a GPU's would, or where their mean
+    message carries at least ``route_floor`` bytes."""
+    from ..schedules import route
+
+    floor, route.CPU_MIN_BYTES = route.CPU_MIN_BYTES, route.MIN_BYTES if route_floor is None else route_floor
+    try:
+        return _layer(rank, comm, lens, shape, dtype, balance)
+    finally:
+        route.CPU_MIN_BYTES = floor
+
+
+def _layer(rank: int, comm: str, lens: list[int], shape: tuple[int, int, int], dtype: str, balance: str) -> dict:
     import torch.distributed as dist
 
     import megatron_cp_ext as mcx
 
     from .accounting import flash_stub
 
+    world = dist.get_world_size()
     hq, hkv, d = shape
     a2a = 2 if comm == "a2a+p2p" else None
     group = mcx.hierarchical_cp_groups(a2a) if a2a else dist.group.WORLD

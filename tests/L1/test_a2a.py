@@ -161,3 +161,28 @@ def test_any_head_count(world, comm, a2a, hq, hkv):
 def test_mqa_at_cp8():
     case = AttnCase(seqlens=(130, 7, 61, 1), comm_type="a2a", hq=4, hkv=1, d=8, dv=6)
     check_case(run_on_ranks(8, run_case, case, timeout=120), case)
+
+
+def _gathered_case(rank, world, case):
+    """``run_case`` with no head move by route: the all-to-all and its plan-index gathers, which
+    a GPU takes where a move's messages would be small (``schedules/route.py``)."""
+    from megatron_cp_ext.schedules import route
+
+    floor, route.CPU_MIN_BYTES = route.CPU_MIN_BYTES, 1 << 62
+    try:
+        return run_case(rank, world, case)
+    finally:
+        route.CPU_MIN_BYTES = floor
+
+
+@pytest.mark.parametrize(
+    "world, comm, a2a, hq, hkv, dv",
+    [(4, "a2a", 0, 4, 4, 8), (4, "a2a", 0, 4, 1, 8), (4, "a2a", 0, 8, 2, 6), (4, "a2a", 0, 5, 1, 8),
+     (4, "a2a+p2p", 2, 6, 3, 8), (2, "a2a", 0, 3, 3, 8)],
+    ids=lambda x: str(x),
+)  # fmt: skip
+def test_all_to_all_path_matches_dense(world, comm, a2a, hq, hkv, dv):
+    """The moves the route replaces (all-to-all, then a gather into group order; the output's
+    gather back, then all-to-all) stay exact: MHA, replicated KV heads, MLA, uneven shards."""
+    case = AttnCase(seqlens=SEQLENS + (44,), comm_type=comm, a2a_size=a2a, hq=hq, hkv=hkv, dv=dv)
+    check_case(run_on_ranks(world, _gathered_case, case), case)

@@ -79,23 +79,33 @@ LENS = [700, 3, 0, 250, 600, 64, 431]
 PINNED = {
     (2, "p2p"): (3.265, 2.314, 4, 11),
     (2, "all_gather"): (1.115, 2.433, 4, 12),
-    (2, "a2a"): (1.205, 2.147, 21, 44),
+    (2, "a2a"): (2.208, 2.76, 8, 30),
     (4, "p2p"): (3.952, 2.731, 6, 21),
     (4, "all_gather"): (2.749, 2.283, 7, 15),
-    (4, "a2a"): (0.933, 2.324, 23, 67),
-    (4, "a2a+p2p"): (2.628, 3.708, 21, 59),
+    (4, "a2a"): (1.871, 2.98, 11, 43),
+    (4, "a2a+p2p"): (3.538, 4.218, 12, 50),
     (8, "p2p"): (5.462, 3.288, 8, 35),
     (8, "all_gather"): (1.709, 1.795, 7, 15),
-    (8, "a2a"): (0.872, 2.095, 39, 98),
-    (8, "a2a+p2p"): (3.388, 4.313, 25, 71),
+    (8, "a2a"): (1.81, 2.76, 15, 51),
+    (8, "a2a+p2p"): (4.259, 4.784, 14, 62),
 }
 
 
-@pytest.mark.parametrize("cp,comm", list(PINNED), ids=lambda x: str(x))
-def test_traffic_table_pinned(cp, comm):
-    res = run_on_ranks(cp, layer_traffic, comm, LENS, (8, 2, 64), "bfloat16", timeout=300)
+# a2a's moves all by route (run by run into place, ``schedules/route.py``), as the rows above
+# would go on a GPU were their messages large enough
+ROUTED = {
+    (8, "a2a"): (0.872, 2.095, 39, 98),
+    (4, "a2a+p2p"): (2.628, 3.708, 21, 59),
+}
+
+
+@pytest.mark.parametrize(
+    "cp,comm,floor", [(*k, None) for k in PINNED] + [(*k, 0) for k in ROUTED], ids=lambda x: str(x)
+)
+def test_traffic_table_pinned(cp, comm, floor):
+    res = run_on_ranks(cp, layer_traffic, comm, LENS, (8, 2, 64), "bfloat16", "workload", floor, timeout=300)
     got = (
         round(max(r["fwd"] for r in res), 3), round(max(r["bwd"] for r in res), 3),
         max(r["fwd_launches"] for r in res), max(r["bwd_launches"] for r in res),
     )  # fmt: skip
-    assert got == PINNED[(cp, comm)], got
+    assert got == (PINNED if floor is None else ROUTED)[(cp, comm)], got
