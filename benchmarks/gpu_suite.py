@@ -49,7 +49,7 @@ STEPS = [
     Step(name="tests", budget_s=200, dry_budget_s=180, log="tests.xml"),
     Step(name="kernels", budget_s=30, dry_budget_s=120, log="kernels.log"),
     Step(name="attention", budget_s=150, dry_budget_s=120, log="attention.log"),
-    Step(name="cp", budget_s=120, dry_budget_s=240, log="cp.log"),
+    Step(name="cp", budget_s=180, dry_budget_s=240, log="cp.log"),
     Step(name="calibration", budget_s=40, dry_budget_s=120, log="calibration.log"),
 ]
 

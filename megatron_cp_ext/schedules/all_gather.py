@@ -3,13 +3,14 @@
 Blocks are padded to the largest per-rank count for the collective. Of the gathered rows,
 one gather (:func:`megatron_cp_ext.ops.gather_rows`) keeps exactly the keys this rank's
 queries see, in document order: each document's visible keys are then contiguous, so the
-plan covers the rank's queries in one or two varlen calls instead of one per source block,
-and forward merges nothing (or once). KV is gathered again in backward rather than kept
-alive between forward and backward (activation memory is the scarcer resource at long
-context); the gradients of the kept rows go back to their gathered rows before the
-reduce-scatter. A single rank (CP 1) runs here too, with nothing gathered: its own ``k`` and ``v``
-go to the kernel as they are, and a single call's outputs are the results (no widened copies,
-no zero-filled dK/dV), so CP 1 costs what the kernel costs.
+plan covers the rank's queries in one or two varlen calls instead of one per source block.
+Each query row is then in one call, so the calls' outputs and dq are copied into place
+(:mod:`.placed`): no merges, no fp32 accumulators. KV is gathered again in backward rather
+than kept alive between forward and backward (activation memory is the scarcer resource at
+long context); the gradients of the kept rows go back to their gathered rows before the
+reduce-scatter. A single rank (CP 1) runs here too, with nothing gathered: its own ``k`` and
+``v`` go to the kernel as they are, and a single call's outputs are the results (no widened
+copies, no zero-filled dK/dV), so CP 1 costs what the kernel costs.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from ..masks import MaskSpec
 from ..ops import gather_rows
 from ..plan import Layout, StepPlan, plan_steps, visible_rows
 from .common import KV, GradAcc, OutAcc, Run, acc_dtype, pack_kv, step_backward, step_forward
+from .placed import KeptRows, PlacedGrad, PlacedOut, placement
 
 __all__ = ["GatherPlan", "build_plan", "forward", "backward"]
 
@@ -39,6 +41,14 @@ class GatherPlan:
     """Local queries against the kept rows (single rank: against its own KV)."""
     keep: np.ndarray | None = None
     """Gathered rows the queries see, in document order (None on a single rank)."""
+    once: bool = False
+    """Every query row is in at most one call (:func:`.placed.placement`): partials are copied
+    into place, not merged (document-ordered keys make this the rule)."""
+    covered: bool = False
+    """With ``once``: every query row is in a call (no zero fill)."""
+    k_once: bool = False
+    """Every kept key row is in at most one call: backward places dK/dV straight at their
+    gathered rows (:class:`.placed.KeptRows`)."""
     _keep_on: dict = field(default_factory=dict, repr=False)
 
     def keep_on(self, device: torch.device) -> torch.Tensor:
@@ -92,11 +102,14 @@ def build_plan(segments: list[np.ndarray], rank: int, mask: MaskSpec) -> GatherP
     mine = segments[rank]
     q = Layout.packed(mine[:, 0], mine[:, 1], mine[:, 2])
     if len(segments) == 1:  # a single rank attends to its own KV as it is
-        return GatherPlan(counts, pad, plan_steps(q, q, mask).get(0, StepPlan([])))
+        step = plan_steps(q, q, mask).get(0, StepPlan([]))
+        return GatherPlan(counts, pad, step, None, *placement(step.calls, counts[rank]))
     kv = Layout.concat([Layout.packed(s[:, 0], s[:, 1], s[:, 2], row0=j * pad) for j, s in enumerate(segments)])
     _, _, lo, hi = visible_rows(q, kv, mask)
     doc, keep = _document_order(kv, lo, hi)
-    return GatherPlan(counts, pad, plan_steps(q, doc, mask).get(0, StepPlan([])), keep)
+    step = plan_steps(q, doc, mask).get(0, StepPlan([]))
+    k_once = placement(step.calls, len(keep), side="k")[0]
+    return GatherPlan(counts, pad, step, keep, *placement(step.calls, counts[rank]), k_once)
 
 
 def _gather(run: Run, k: torch.Tensor, v: torch.Tensor) -> KV:
@@ -113,8 +126,9 @@ def forward(run: Run, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tupl
     """Output and lse in the accumulator dtype, or the kernel's where the rank runs one call
     (the caller adds any sink and rounds once)."""
     kv_all = _gather(run, k, v)
-    calls = run.plan.step.on(q.device)
-    acc = OutAcc(q, v.shape[-1], keep=len(calls) == 1)
+    calls, plan = run.plan.step.on(q.device), run.plan
+    # rows in one call each: copied into place (``PlacedOut``), else merged
+    acc = PlacedOut(q, v.shape[-1], plan.covered) if plan.once else OutAcc(q, v.shape[-1], keep=len(calls) == 1)
     step_forward(calls, run, q, kv_all, acc)
     del kv_all  # the gathered KV: freed before the result is handed back
     return acc.result()
@@ -126,17 +140,24 @@ def backward(run: Run, dout, q, k, v, out, lse) -> tuple[torch.Tensor, torch.Ten
     kv_all = _gather(run, k, v)
     calls = run.plan.step.on(q.device)
     one = len(calls) == 1
-    dq = GradAcc(q, keep=one)
+    dq = PlacedGrad(q, run.plan.covered) if run.plan.once else GradAcc(q, keep=one)
     if run.group is None:  # dK/dV adopt the kernel's (kept for a single call): no zeros, no adds
         dkv = KV(GradAcc(k, keep=one), GradAcc(v, keep=one))
         step_backward(calls, run, (dout, q, out, lse), kv_all, dq, dkv)
         return dq.result(), dkv.k.result(), dkv.v.result()
-    dkv_kept = torch.zeros(kv_all.packed.shape, dtype=acc_dtype(q), device=q.device)
-    step_backward(calls, run, (dout, q, out, lse), kv_all, dq, KV.of(dkv_kept, run.dk))
-    del kv_all  # the kept KV: freed before the reduce-scatter allocates
     size = dist.get_world_size(run.group)
-    dkv_all = dkv_kept.new_zeros((size * run.plan.pad, *dkv_kept.shape[1:]))
-    dkv_all.index_copy_(0, run.plan.keep_on(q.device), dkv_kept)  # kept rows are distinct
-    del dkv_kept
+    keep = run.plan.keep_on(q.device)
+    if run.plan.k_once:  # each kept row's dK/dV from one call: placed at its gathered row, widened
+        dkv_all = torch.zeros((size * run.plan.pad, *kv_all.packed.shape[1:]), dtype=acc_dtype(q), device=q.device)
+        into = KV(KeptRows(dkv_all[..., : run.dk], keep), KeptRows(dkv_all[..., run.dk :], keep))
+        step_backward(calls, run, (dout, q, out, lse), kv_all, dq, into)
+        del kv_all, into
+    else:
+        dkv_kept = torch.zeros(kv_all.packed.shape, dtype=acc_dtype(q), device=q.device)
+        step_backward(calls, run, (dout, q, out, lse), kv_all, dq, KV.of(dkv_kept, run.dk))
+        del kv_all  # the kept KV: freed before the reduce-scatter allocates
+        dkv_all = dkv_kept.new_zeros((size * run.plan.pad, *dkv_kept.shape[1:]))
+        dkv_all.index_copy_(0, keep, dkv_kept)  # kept rows are distinct
+        del dkv_kept
     dkv = reduce_scatter_padded(dkv_all, run.group)[: k.shape[0]]
     return dq.result(), dkv[..., : run.dk], dkv[..., run.dk :]  # accumulator dtype: the caller rounds once

@@ -97,8 +97,9 @@ def accumulate(acc: torch.Tensor, sl: tuple[int, int] | None, idx: torch.Tensor 
 def add_rows(
     acc: torch.Tensor | GradAcc, sl: tuple[int, int] | None, idx: torch.Tensor | None, src: torch.Tensor
 ) -> None:
-    """:func:`accumulate` into a tensor or a :class:`GradAcc` (made on first use)."""
-    if isinstance(acc, GradAcc):
+    """:func:`accumulate` into a tensor, or into a :class:`GradAcc` (made on first use) or any
+    other accumulator with its ``add``."""
+    if not isinstance(acc, torch.Tensor):
         acc.add(sl, idx, src)
     else:
         accumulate(acc, sl, idx, src)
