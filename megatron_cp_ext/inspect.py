@@ -35,6 +35,7 @@ from .schedules.a2a import A2APlan
 from .schedules.all_gather import GatherPlan
 from .schedules.heads import a2a_bytes, split_heads
 from .schedules.p2p_plan import P2PPlan, use_split
+from .schedules.route import MIN_BYTES, worth
 from .sharding import CPSharding
 
 __all__ = ["inspect_plan", "PlanReport", "RankReport", "CallReport", "StepReport"]
@@ -95,7 +96,8 @@ class RankReport:
     bytes_needed: dict[str, int]
     """KV of other ranks its queries see (forward), and those rows' fp32 dK/dV (backward)."""
     send_gathered_rows: int = 0
-    """Rows packed by a gather before sending (fragmented p2p selections, a2a permutations)."""
+    """Rows packed by a gather before sending (fragmented p2p selections; a2a permutations where
+    its moves would not go by route on a GPU)."""
     plan_ms: float = 0.0
     """Host time to build this rank's plan."""
     steps: list[StepReport] = field(default_factory=list)
@@ -232,7 +234,10 @@ def _a2a_bytes(plan: A2APlan, hq: int, hkv: int, d: int, dv: int, es: int, token
     rs, rr, packed = _p2p_bytes(ring, nkv[me] * (d + dv) * es, nkv[me] * (d + dv) * 4)
     sent = {"forward": fwd_out + rs["forward"], "backward": bwd_out + rs["backward"]}
     recv = {"forward": fwd_in + rr["forward"], "backward": bwd_in + rr["backward"]}
-    # a2a's rows land in group order run by run (``schedules/route.py``): no gather to count
+    # a2a's rows land in group order run by run (``schedules/route.py``), no gather, where the
+    # queries' move would go so on a GPU; else the all-to-all's permutation gathers the group's rows
+    if a > 1 and (plan.route is None or not worth(plan.route, hq * d * es, MIN_BYTES)):
+        packed += len(plan.perm)
     # the forward's calls: a2a+p2p halves its ring's wide ones on large shards (``p2p_plan.split_wide``)
     split = use_split(ring.counts[ring.rank], nq[me], dv, es)
     fwd = [(st.slot, st.fwd if split and st.fwd is not None else st.plan) for st in ring.steps]

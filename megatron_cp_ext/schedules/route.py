@@ -24,7 +24,7 @@ import torch
 
 from ..comm import Message, Peers
 
-__all__ = ["Route", "routed", "to_group", "from_group", "MIN_BYTES", "CPU_MIN_BYTES"]
+__all__ = ["Route", "routed", "worth", "to_group", "from_group", "MIN_BYTES", "CPU_MIN_BYTES"]
 
 _TAG = 4
 """The head moves' tag (the ring's streams use 0 and 2)."""
@@ -51,6 +51,8 @@ class Route:
     dst: tuple[int, ...]
     n: tuple[int, ...]
     members: int = 1
+    rows: int = 0
+    """``sum(n)``: the group's tokens."""
 
     @classmethod
     def of(cls, perm: np.ndarray, counts: list[int]) -> Route:
@@ -58,7 +60,7 @@ class Route:
         and the members' token counts."""
         perm = np.asarray(perm, dtype=np.int64)
         if not len(perm):
-            return cls(owner=(), src=(), dst=(), n=(), members=len(counts))
+            return cls(owner=(), src=(), dst=(), n=(), members=len(counts), rows=0)
         ends = np.cumsum(counts)
         owner = np.searchsorted(ends, perm, side="right")
         local = perm - (ends - np.asarray(counts))[owner]
@@ -67,21 +69,27 @@ class Route:
         start = np.nonzero(cut)[0]
         n = np.diff(np.append(start, len(perm)))
         return cls(owner=tuple(owner[start].tolist()), src=tuple(local[start].tolist()),
-                   dst=tuple(start.tolist()), n=tuple(n.tolist()), members=len(counts))  # fmt: skip
+                   dst=tuple(start.tolist()), n=tuple(n.tolist()), members=len(counts),
+                   rows=len(perm))  # fmt: skip
 
     def runs(self):
         return zip(self.owner, self.src, self.dst, self.n)
 
 
+def worth(route: Route, row_bytes: int, floor: int) -> bool:
+    """Whether the mean message of a move by ``route`` carries at least ``floor`` bytes.
+    ``row_bytes``: one token's bytes over all heads of the tensor moved (the same on every
+    member, so every member decides alike); a message holds one member's share of the heads."""
+    return bool(route.n) and route.rows * row_bytes >= floor * len(route.n) * route.members
+
+
 def routed(route: Route | None, group, row_bytes: int, device: torch.device) -> bool:
     """Whether a move goes by :class:`Route` rather than all-to-all and gather: eager, with
-    peers, and (:data:`MIN_BYTES`) where its mean message is large enough. ``row_bytes``: one
-    token's bytes over all heads of the tensor moved (the same on every member, so every
-    member decides alike)."""
-    if route is None or group is None or not route.n or torch.compiler.is_compiling():
+    peers, and where its mean message is large enough (:func:`worth`: :data:`MIN_BYTES` on
+    CUDA, :data:`CPU_MIN_BYTES` elsewhere)."""
+    if route is None or group is None or torch.compiler.is_compiling():
         return False
-    floor = MIN_BYTES if device.type == "cuda" else CPU_MIN_BYTES
-    return sum(route.n) * row_bytes >= floor * len(route.n) * route.members
+    return worth(route, row_bytes, MIN_BYTES if device.type == "cuda" else CPU_MIN_BYTES)
 
 
 _PEERS: dict = {}
@@ -105,8 +113,7 @@ def to_group(xs: tuple[torch.Tensor, ...], parts: tuple[Range, ...], me: int, gr
     tensor) and sent run by run; this member's runs are copied in place."""
     t, d = xs[0].shape[0], sum(x.shape[-1] for x in xs)
     a0, a1 = parts[me]
-    rows = sum(route.n)
-    out = xs[0].new_empty((rows, a1 - a0, d))
+    out = xs[0].new_empty((route.rows, a1 - a0, d))
     pieces: list[torch.Tensor | None] = []
     for j, (a, b) in enumerate(parts):
         if j == me or b <= a:
