@@ -4,7 +4,7 @@ Speed is a benchmark's business (``benchmarks/memory_launches.py``); these count
 so they are asserted: the torch merge's aten ops per call, one op per accumulate, bytes
 saved for backward equal to the ideal (q, k, v, output, fp32 lse) for every comm type, and
 upper bounds on the forward and backward peaks from a formula of the buffers each schedule
-is designed to hold at once (``peak_formula``; docs/performance.md, "Leaner buffers").
+is designed to hold at once (``peak_formula``; docs/performance.md, "Memory and launches per layer").
 """
 
 import pytest
@@ -176,7 +176,7 @@ def peak_formula(
 # by two head groups 2.85 (3.69)); replicated KV heads (a2a over 4 members, 2 KV heads) 1.88
 # (2.55) forward, 3.21 (3.43) backward. The margin is the formula's: every buffer at its
 # largest (a ring call over all local queries) and, for a2a, the late buffer. The peaks before
-# the in-place merge and early frees (docs/performance.md: 3.02 / 3.29 p2p, 3.42 / 4.58 a2a,
+# the in-place merge and early frees (CHANGELOG.md; 3.02 / 3.29 p2p, 3.42 / 4.58 a2a,
 # 3.62 / 4.98 a2a+p2p) fail it.
 @pytest.mark.parametrize(
     "world,comm,groups,hkv",
