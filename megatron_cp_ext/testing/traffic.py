@@ -135,7 +135,7 @@ def fused_merges(tr: Traffic) -> Iterator[None]:
         tr.count("row_dot", nbytes(a) + nbytes(b), nbytes(out))
         tr.suspended += 1
         try:
-            return _dot_fallback(a, b)
+            return delta.row_dot_torch(a, b)
         finally:
             tr.suspended -= 1
 
@@ -144,10 +144,6 @@ def fused_merges(tr: Traffic) -> Iterator[None]:
         yield
     finally:
         common.merge_partial, delta._row_dot16 = plain, plain_dot
-
-
-def _dot_fallback(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return torch.bmm(a.reshape(-1, 1, a.shape[-1]).float(), b.reshape(-1, b.shape[-1], 1).float()).view(a.shape[:-1])
 
 
 def layer_traffic(rank: int, world: int, comm: str, lens: list[int], shape: tuple[int, int, int], dtype: str,
