@@ -68,6 +68,16 @@ def sort_kernels(spans: list[tuple[str, float]]) -> dict[str, dict[str, float]]:
 
 
 def _rank(rank: int, world: int, s: Sizes, comm: str, lens: list[int], full: list, prof_host: bool) -> dict:
+    """One rank's measured step; ``comm`` ``p2p:staged`` / ``p2p:ring`` forces how p2p runs."""
+
+    from megatron_cp_ext.testing.cases import p2p_schedule
+
+    comm, _, schedule = comm.partition(":")
+    with p2p_schedule(schedule):
+        return _rank_step(rank, world, s, comm, lens, full, prof_host)
+
+
+def _rank_step(rank: int, world: int, s: Sizes, comm: str, lens: list[int], full: list, prof_host: bool) -> dict:
     import torch.distributed as dist
 
     group = mcx.hierarchical_cp_groups(2) if comm == "a2a+p2p" else dist.group.WORLD
@@ -104,7 +114,11 @@ def _top(pr: cProfile.Profile, n: int = 12) -> str:
     return "\n".join(lines[start : start + n + 1])
 
 
-def kernel_breakdown(s: Sizes, comms=("p2p", "all_gather", "a2a", "a2a+p2p"), cps=(8,)) -> None:
+def kernel_breakdown(
+    s: Sizes, comms=("p2p", "p2p:staged", "p2p:ring", "all_gather", "a2a", "a2a+p2p"), cps=(8,)
+) -> None:
+    """Kernel time by category per comm type and CP size against one call over the batch;
+    ``p2p`` is the package's choice per batch, ``p2p:staged`` / ``p2p:ring`` each forced."""
     lens, cu, q, k, v = _batch(s)
     full = [q, k, v, torch.randn_like(q)]
     cuda = s.device == "cuda"
@@ -150,8 +164,12 @@ def kernel_breakdown(s: Sizes, comms=("p2p", "all_gather", "a2a", "a2a+p2p"), cp
             result(step="breakdown", comm=comm, cp=cp, mean_rows=rows, ratio=ratios[(comm, cp)],
                    **{f"{n}_ms": ms[n] for n in CATEGORIES})  # fmt: skip
     top = max(cps)
-    line = ", ".join(f"{c} {ratios[(c, top)]:.3f}" for c in comms if (c, top) in ratios)
+    main = ("p2p", "all_gather", "a2a", "a2a+p2p")
+    line = ", ".join(f"{c} {ratios[(c, top)]:.3f}" for c in main if (c, top) in ratios)
     print(f"\nkernel time ÷ one call (transfers excluded), causal, CP {top}: {line}")
+    forced = ", ".join(f"{c[4:]} {ratios[(c, top)]:.3f}" for c in comms if ":" in c and (c, top) in ratios)
+    if forced:
+        print(f"p2p by schedule, kernel time ÷ one call (transfers excluded), CP {top}: {forced}")
 
 
 def route_choice(s: Sizes, cp: int = 8) -> None:

@@ -39,7 +39,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--cp", default="2,4,8")
     ap.add_argument("--balance", default="workload")
-    ap.add_argument("--comm", default=",".join(COMMS), help="comm types, comma-separated")
+    ap.add_argument("--comm", default=",".join(COMMS),
+                    help="comm types, comma-separated; p2p:staged / p2p:ring force how p2p runs")  # fmt: skip
     ap.add_argument("--route-floor", type=int, default=None, help="a2a: route messages of at least this many bytes")
     args = ap.parse_args(argv)
     lens = batches.lognormal(args.tokens, median=args.median, seed=args.seed)

@@ -27,11 +27,10 @@ from .backends import BACKENDS, get_backend
 from .backends import backend_name as resolved_name
 from .groups import CPGroups, GroupInfo, cp_groups, ranks_crc
 from .masks import MaskSpec
-from .schedules import SCHEDULES, a2a, build_plan, prepare_plan
+from .schedules import a2a, build_plan, prepare_plan, schedule_of
 from .schedules.common import Run, apply_sink, sink_grad
 from .schedules.delta import row_dot
 from .schedules.max_logit import new_max_logit, reduce_max_logit
-from .schedules.p2p import P2PPlan
 from .seq_layout import fixed_length_sharding, rows_to_thd, seq_to_thd, thd_to_seq
 from .sharding import CPSharding
 from .validation import (
@@ -363,5 +362,5 @@ def _dispatch(c: _Call, plan, max_logit: torch.Tensor | None = None) -> torch.Te
     run = Run(plan=plan, group=c.groups.p2p, backend=c.backend, scale=c.scale, dk=c.shapes.dqk, max_logit=max_logit)
     if isinstance(plan, a2a.A2APlan):
         return a2a.attention(c.q, c.k, c.v, run, c.groups.a2a, c.groups.p2p, c.heads, c.offset)
-    schedule = SCHEDULES["p2p"] if isinstance(plan, P2PPlan) else SCHEDULES["all_gather"]
+    schedule = schedule_of(plan)
     return _CPAttention.apply(c.q, c.k, c.v, c.offset, run, schedule)

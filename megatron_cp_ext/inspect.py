@@ -69,7 +69,9 @@ class StepReport:
     step: int
     """0: a collective before the local calls (``all_gather``, ``a2a``); s >= 1: p2p step s."""
     kind: str
-    """``"ring"`` (p2p step) | ``"all_gather"`` | ``"a2a"``."""
+    """``"ring"`` (p2p step) | ``"staged"`` (every p2p message of the staged schedule, posted
+    before its local stage; its joined stage, step 1, waits for them) | ``"all_gather"`` |
+    ``"a2a"``."""
     peers: tuple[int, ...]
     """CP ranks it exchanges with: ``(src, dst)`` for a ring step, the other members for a collective."""
     bytes_sent: dict[str, int]
@@ -272,6 +274,11 @@ def _rank_report(sharding, comm_type, rank, a2a_size, mask, shapes) -> RankRepor
             sent = {"forward": block * kv_row, "backward": block * (kv_row + grad_row)}
             recv = dict(sent)
             steps = [StepReport(0, "all_gather", tuple(j for j in range(cp) if j != rank), sent, recv)]
+    elif isinstance(plan, P2PPlan) and plan.staged is not None:
+        calls = _call_reports(0, plan.staged.local) + _call_reports(1, plan.staged.joined)
+        sent, recv, packed = _p2p_bytes(plan, kv_row, grad_row)
+        peers = tuple(sorted({x for st in plan.steps for x in (st.src, st.dst)}))
+        steps = [StepReport(1, "staged", peers, sent, recv)] if plan.steps else []
     elif isinstance(plan, P2PPlan):
         calls = _call_reports(0, plan.own) + [c for st in plan.steps for c in _call_reports(st.slot, st.plan)]
         sent, recv, packed = _p2p_bytes(plan, kv_row, grad_row)

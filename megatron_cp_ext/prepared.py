@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from . import attention as att
-from .schedules import SCHEDULES, a2a, prepare_plan
+from .schedules import a2a, prepare_plan, schedule_of
 from .schedules.common import Run
 from .schedules.p2p import P2PPlan
 from .seq_layout import rows_to_thd, seq_to_thd, thd_to_seq
@@ -46,7 +46,7 @@ class PreparedCPAttention:
         self._a2a = isinstance(plan, a2a.A2APlan)
         self._groups, self._heads = c.groups, c.heads
         self._run = Run(plan=plan, group=c.groups.p2p, backend=c.backend, scale=c.scale, dk=c.shapes.dqk)
-        self._schedule: ModuleType = SCHEDULES["p2p"] if isinstance(plan, P2PPlan) else SCHEDULES["all_gather"]
+        self._schedule: ModuleType = schedule_of(plan)
         prepare_plan(plan, c.q.device)  # a lookup where `_get_plan` built the plan here
 
     @property

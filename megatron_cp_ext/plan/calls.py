@@ -330,7 +330,7 @@ def one_row_causal(buf: np.ndarray, q0: np.ndarray, q1: np.ndarray, left: np.nda
     return np.where(move, 0, right)
 
 
-def _calls(buf, q0, q1, k0, k1, left, right) -> dict[int, list[VarlenCall]]:
+def _calls(buf, q0, q1, k0, k1, left, right, max_slices: int) -> dict[int, list[VarlenCall]]:
     right = one_row_causal(buf, q0, q1, left, right)
     order = np.lexsort((k0, q0, right, left, buf))
     buf, q0, q1, k0, k1, left, right = (x[order] for x in (buf, q0, q1, k0, k1, left, right))
@@ -348,7 +348,7 @@ def _calls(buf, q0, q1, k0, k1, left, right) -> dict[int, list[VarlenCall]]:
     run_starts = np.nonzero(brk)[0]
     for c, (s, e) in enumerate(zip(starts, ends)):
         pieces = [(s, e)]
-        if 1 < runs_per_call[c] <= MAX_SLICE_CALLS:
+        if 1 < runs_per_call[c] <= max_slices:
             rs = run_starts[(run_starts >= s) & (run_starts < e)]
             pieces = list(zip(rs, np.append(rs[1:], e)))
         for a, b in pieces:
@@ -357,13 +357,12 @@ def _calls(buf, q0, q1, k0, k1, left, right) -> dict[int, list[VarlenCall]]:
     return out
 
 
-def plan_steps(q: Layout, kv: Layout, mask: MaskSpec) -> dict[int, StepPlan]:
-    """Per KV buffer id, the calls of queries laid out as ``q`` against keys laid out as ``kv``.
-
-    Buffers whose keys no query sees get no entry (callers treat a missing id as empty).
-    """
+def plan_steps(q: Layout, kv: Layout, mask: MaskSpec, max_slices: int = MAX_SLICE_CALLS) -> dict[int, StepPlan]:
+    """Per KV buffer id, the calls of queries laid out as ``q`` against keys laid out as ``kv``
+    (``max_slices``: see :data:`MAX_SLICE_CALLS`). Buffers whose keys no query sees get no
+    entry (callers treat a missing id as empty)."""
     qp, kp = _pieces(q, mask.chunk), _pieces(kv, mask.chunk)
-    calls = _calls(*_entries(qp, kp, mask))
+    calls = _calls(*_entries(qp, kp, mask), max_slices)
     return {b: StepPlan(c) for b, c in calls.items()}
 
 

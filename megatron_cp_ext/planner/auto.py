@@ -21,7 +21,7 @@ import os
 
 import torch
 
-from .. import attention
+from .. import attention, schedules
 from ..groups import CPGroups, cp_groups
 from ..inspect import inspect_plan
 from ..masks import MaskSpec
@@ -81,7 +81,7 @@ def choose_comm_type(
     exact = exact or profile.kernel != "flash" or sharding.cp_size == 1
     key = (
         "auto", mask, candidates, a2a_size, num_heads, num_kv_heads, head_dim, v_head_dim, dtype, profile, backward,
-        exact,
+        exact, schedules.P2P_SCHEDULE,
     )  # fmt: skip
     hit = _choices(sharding).get(key)
     if hit is not None:

@@ -12,7 +12,9 @@ the same from the same plan). Per rank and per step:
   slower of its send and its receive; a collective (all-gather, a2a all-to-all) its bytes
   over the slowest link of its group;
 * overlap: collectives are exposed (they precede the calls); p2p step ``s``'s transfer is
-  posted when step ``s - 1``'s compute starts and its compute waits for it.
+  posted when step ``s - 1``'s compute starts and its compute waits for it (the staged
+  schedule: one exchange with every peer, posted with the local stage, step 0, and awaited by
+  the joined stage, step 1; in backward the dK/dV partials then go home, exposed).
 
 The layer takes the slowest rank's time (ring steps synchronise neighbours; the model does
 not propagate waits between ranks beyond that maximum).
@@ -172,6 +174,7 @@ def step_comm_s(rank: int, st: StepReport, phase: str, prof: HardwareProfile) ->
     if st.kind == "ring":
         src, dst = st.peers
         return lat + max(_link_s(rank, dst, sent, prof), _link_s(rank, src, recv, prof))
+    # a collective, or the staged exchange with every peer at once: the total over the slowest link
     worst = max((_link_s(rank, p, max(sent, recv), prof) for p in st.peers), default=0.0)
     return lat * max(len(st.peers), 1) + worst
 
@@ -192,12 +195,17 @@ def _rank_cost(rep: PlanReport, r: RankReport, prof: HardwareProfile, linear: Li
     comm = {p: 0.0 for p in PHASES}
     time = {}
     for p in PHASES:
-        coll = 0.0
+        coll, tail = 0.0, 0.0
         ring: list[tuple[int, float]] = []
         for st in r.steps:
             t = step_comm_s(r.rank, st, p, prof)
             comm[p] += t
-            if st.kind == "ring":
+            if st.kind == "staged":  # backward: the KV as forward's, the partials home after
+                kv = step_comm_s(r.rank, st, "forward", prof) if p == "backward" else t
+                ring.append((st.step, kv))
+                if t > kv:  # a second exchange: its own latency, the gradient bytes
+                    tail += t - kv + prof.latency_us * 1e-6 * len(st.peers)
+            elif st.kind == "ring":
                 ring.append((st.step, t))
             else:
                 coll += t
@@ -210,7 +218,7 @@ def _rank_cost(rep: PlanReport, r: RankReport, prof: HardwareProfile, linear: Li
             kend = kstart + comp.get(s, {}).get(p, 0.0)
             done.add(s)
         kend += sum(v[p] for s, v in comp.items() if s not in done)
-        time[p] = coll + kend
+        time[p] = coll + kend + tail
     lin = dict.fromkeys(PHASES, 0.0)
     if linear is not None:
         # the layer's projections and MLP run on the rank's tokens with all of its heads (a2a

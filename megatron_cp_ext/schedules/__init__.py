@@ -3,15 +3,34 @@ step machinery in :mod:`.common`; none carries its own kernels or merge."""
 
 from __future__ import annotations
 
+import os
+from types import ModuleType
+
+import numpy as np
 import torch
 
 from ..masks import MaskSpec
 from ..sharding import CPSharding
-from . import a2a, all_gather, p2p
+from . import a2a, all_gather, p2p, staged
+from .staged_plan import build_staged, staged_fits
 
 SCHEDULES = {"p2p": p2p, "all_gather": all_gather}
 
-__all__ = ["SCHEDULES", "build_plan", "prepare_plan"]
+__all__ = ["SCHEDULES", "P2P_SCHEDULE", "build_plan", "prepare_plan", "schedule_of"]
+
+P2P_SCHEDULE = os.environ.get("MEGATRON_CP_EXT_P2P_SCHEDULE", "staged")
+"""How ``p2p`` runs: ``"staged"`` (every message at once, a local and a joined stage, no
+merges: :mod:`.staged`) where its memory bound holds on the batch
+(:func:`.staged_plan.staged_fits`), else the ring; or ``"ring"`` always (step by step, a merge
+per step: :mod:`.p2p`). Read when a plan is built; ``a2a+p2p``'s ring across its groups always
+runs as the ring."""
+
+
+def schedule_of(plan) -> ModuleType:
+    """The module whose ``forward``/``backward`` run ``plan`` (a ``p2p`` or ``all_gather`` plan)."""
+    if isinstance(plan, p2p.P2PPlan):
+        return staged if plan.staged is not None else p2p
+    return all_gather
 
 
 def build_plan(sharding: CPSharding, comm_type: str, cp_rank: int, a2a_size: int, mask: MaskSpec):
@@ -22,7 +41,15 @@ def build_plan(sharding: CPSharding, comm_type: str, cp_rank: int, a2a_size: int
     if comm_type in ("a2a", "a2a+p2p"):
         return a2a.build_plan(sharding, a2a_size, cp_rank, mask)
     segs = [sharding.rank_segments(r) for r in range(sharding.cp_size)]
-    return SCHEDULES[comm_type].build_plan(segs, cp_rank, mask)
+    plan = SCHEDULES[comm_type].build_plan(segs, cp_rank, mask)
+    if comm_type == "p2p":
+        if P2P_SCHEDULE not in ("staged", "ring"):
+            raise ValueError(f"P2P_SCHEDULE must be 'staged' or 'ring', got {P2P_SCHEDULE!r}")
+        owner = np.repeat(np.arange(sharding.cp_size), np.diff(sharding.rank_ptr))
+        lens = np.diff(np.asarray(sharding.cu_seqlens, np.int64))
+        if P2P_SCHEDULE == "staged" and staged_fits(sharding.seg, owner, lens, sharding.cp_size, mask):
+            plan.staged = build_staged(plan, segs, mask)
+    return plan
 
 
 def prepare_plan(plan, device: torch.device) -> None:
@@ -33,6 +60,6 @@ def prepare_plan(plan, device: torch.device) -> None:
         plan.perms_on(device)
         plan = plan.ring
     if isinstance(plan, p2p.P2PPlan):
-        p2p.prepare(plan, device)
+        (staged if plan.staged is not None else p2p).prepare(plan, device)
     else:
         plan.step.on(device)

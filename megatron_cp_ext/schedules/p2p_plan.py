@@ -144,6 +144,9 @@ class P2PPlan:
     narrow: Narrow | None = None
     """What a backward owning ``dout`` and ``out`` keeps of them (:func:`plan_narrow`); planned
     for a2a's ring only (None: not planned)."""
+    staged: object = None
+    """The staged schedule's stages (:class:`.staged_plan.StagedPlan`) where the layer runs it
+    instead of the ring step by step; None: the ring."""
     walks: dict = field(default_factory=dict, repr=False, compare=False)
     """Per device: the ring's walk over the steps with its index tensors uploaded (see
     ``p2p.prepare``); everything host-side is planned by :func:`build_plan`."""

@@ -61,11 +61,17 @@ class PlacedGrad:
     (dq of those calls): each partial is copied into its rows in its own dtype (``0 + x`` is
     ``x``); rows no call covers are 0."""
 
-    def __init__(self, like: torch.Tensor, covered: bool) -> None:
+    def __init__(self, like: torch.Tensor, covered: bool, into: torch.Tensor | None = None) -> None:
         self.like, self.covered = like, covered
         self.t: torch.Tensor | None = None
+        self._into = into
+        """A caller's buffer (``like``'s shape; a head group's slice) to copy into instead."""
 
     def add(self, sl: tuple[int, int] | None, idx: torch.Tensor | None, src: torch.Tensor) -> None:
+        if self.t is None and self._into is not None:
+            self.t, self._into = self._into, None
+            if not self.covered:
+                self.t.zero_()
         if self.t is None:
             if sl == (0, self.like.shape[0]) and src.shape == self.like.shape and src.is_contiguous():
                 self.t = src
@@ -77,6 +83,8 @@ class PlacedGrad:
             self.t.index_copy_(0, idx, src)
 
     def result(self) -> torch.Tensor:
+        if self.t is None and self._into is not None:
+            self.t, self._into = self._into.zero_(), None
         return self.t if self.t is not None else torch.zeros_like(self.like)
 
 

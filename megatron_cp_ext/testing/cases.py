@@ -8,7 +8,9 @@ from a seed on every rank, so no data crosses the pool's queues except results.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -70,6 +72,11 @@ class AttnCase:
     """Softmax offset per query head (attention sink), passed as a differentiable tensor."""
     device: str = "cpu"
     """Where the ranks compute (``cuda``: all ranks of the in-process runner on one GPU)."""
+    p2p_schedule: str = "staged"
+    """How ``p2p`` runs: ``staged`` forced (whatever its memory bound says, so every case
+    exercises it), ``staged-index`` (also every move of more than one run by index and every step's KV
+    packed), ``ring``,
+    or ``""`` the package's choice."""
 
     @property
     def cu_seqlens(self) -> list[int]:
@@ -151,6 +158,27 @@ def global_thd(case: AttnCase, xs: list[torch.Tensor]) -> torch.Tensor:
     return zigzag_merge(xs, 1).flatten(0, 1)
 
 
+@contextlib.contextmanager
+def p2p_schedule(name: str) -> Iterator[None]:
+    """Within the block, plans run ``p2p`` as ``name`` (:attr:`AttnCase.p2p_schedule`)."""
+    from .. import schedules
+    from ..schedules import staged_moves, staged_plan
+
+    if not name:
+        yield
+        return
+    m = staged_moves
+    before = schedules.P2P_SCHEDULE, staged_plan.MAX_BLOCKS, m.MAX_RUNS, m.MAX_PIECES
+    schedules.P2P_SCHEDULE = name.split("-")[0]
+    staged_plan.MAX_BLOCKS = float("inf")
+    if name == "staged-index":  # every move of more than one run by index, every step packed
+        m.MAX_RUNS, m.MAX_PIECES = 1, 0
+    try:
+        yield
+    finally:
+        schedules.P2P_SCHEDULE, staged_plan.MAX_BLOCKS, m.MAX_RUNS, m.MAX_PIECES = before
+
+
 def run_case(rank: int, world: int, case: AttnCase) -> dict[str, torch.Tensor]:
     """Worker: shard, run forward + backward on this rank, return local results."""
     dtype = getattr(torch, case.dtype)
@@ -161,11 +189,12 @@ def run_case(rank: int, world: int, case: AttnCase) -> dict[str, torch.Tensor]:
     if case.sink is not None:
         sink_dtype = torch.float64 if dtype == torch.float64 else torch.float32
         extra["softmax_offset"] = torch.tensor(case.sink, dtype=sink_dtype, device=case.device).requires_grad_()
-    out = mcx.cp_attention(
-        q, k, v, cp_group=cp_group_for(case, world), comm_type=case.comm_type, qkv_format=case.qkv_format,
-        sharding=sharding,
-        causal=case.causal, window_size=case.window_size, chunk_size=case.chunk_size, **extra,
-    )  # fmt: skip
+    with p2p_schedule(case.p2p_schedule):
+        out = mcx.cp_attention(
+            q, k, v, cp_group=cp_group_for(case, world), comm_type=case.comm_type, qkv_format=case.qkv_format,
+            sharding=sharding,
+            causal=case.causal, window_size=case.window_size, chunk_size=case.chunk_size, **extra,
+        )  # fmt: skip
     out.backward(dout)
     res = {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
     if case.sink is not None:

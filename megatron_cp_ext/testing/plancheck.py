@@ -71,6 +71,15 @@ def check_p2p_plans(sharding: CPSharding, plans: list, mask: MaskSpec) -> None:
     want = visible_pairs(sharding, mask)
     assert set(total) == want, f"missing {sorted(want - set(total))[:4]}, extra {sorted(set(total) - want)[:4]}"
     assert set(total.values()) <= {1}, "a pair is computed twice"
+    if any(p.staged is not None for p in plans):
+        staged = sum((_staged_pairs(p, ids) for p in plans), Counter())
+        assert set(staged) == want and set(staged.values()) <= {1}, "the staged plans' pairs differ"
+        for r, plan in enumerate(plans):  # every message lands in one of the same size
+            for st in plan.steps:
+                if st.send.n:
+                    mine, peer = plan.staged.pieces[st.slot], plans[st.dst].staged.pieces[st.slot]
+                    assert mine.send_packed == peer.recv_packed, (r, st.slot)
+                    assert [n for _, n in mine.send] == [n for _, n in peer.recv], (r, st.slot)
     for r, plan in enumerate(plans):
         for st in plan.steps:
             peer = {s.slot: s for s in plans[st.dst].steps}.get(st.slot)
@@ -79,3 +88,23 @@ def check_p2p_plans(sharding: CPSharding, plans: list, mask: MaskSpec) -> None:
             if st.recv.n:
                 src = {s.slot: s for s in plans[st.src].steps}[st.slot]
                 assert np.array_equal(src.send.ranges, st.recv.ranges), (r, st.slot)
+
+
+def _staged_pairs(plan, ids: list) -> Counter:
+    """Pairs of a staged plan's two stages (:mod:`..schedules.staged_plan`), its joined buffer's
+    rows named through its moves: own rows, and every received row once, in step order. Each
+    query row is in one stage; every joined row is looked at."""
+    st, r = plan.staged, plan.rank
+    received = [ids[s.src][i] for s in plan.steps for i in expand(s.recv.ranges)]
+    assert len(received) == st.received and list(st.recv.src) == list(range(st.received))
+    joined = [None] * st.rows
+    for i, j in zip(st.own.src.tolist(), st.own.dst.tolist()):
+        joined[j] = ids[r][i]
+    for i, j in zip(st.recv.src.tolist(), st.recv.dst.tolist()):
+        assert joined[j] is None, "a joined row is written twice"
+        joined[j] = received[i]
+    assert None not in joined, "a joined row is never written"
+    local, far = call_pairs(st.local, ids[r], ids[r]), call_pairs(st.joined, ids[r], joined)
+    assert not {q for q, _ in local} & {q for q, _ in far}, "a query row is in both stages"
+    assert {k for _, k in far} == set(joined), "a joined row is never looked at"
+    return local + far

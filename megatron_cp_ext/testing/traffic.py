@@ -153,12 +153,16 @@ def layer_traffic(rank: int, world: int, comm: str, lens: list[int], shape: tupl
     Runs inside a rank of :func:`.pool.run_on_ranks` (gloo: its collectives run in C++, outside
     the count; the in-process runner's would be counted, on whichever thread joins last).
     a2a's moves go by route (``schedules/route.py``) where a GPU's would, or where their mean
-    message carries at least ``route_floor`` bytes."""
+    message carries at least ``route_floor`` bytes. ``comm`` ``p2p:staged`` / ``p2p:ring``
+    forces how ``p2p`` runs (:func:`.cases.p2p_schedule`); plain ``p2p`` is the package's choice."""
     from ..schedules import route
+    from .cases import p2p_schedule
 
+    comm, _, schedule = comm.partition(":")
     floor, route.CPU_MIN_BYTES = route.CPU_MIN_BYTES, route.MIN_BYTES if route_floor is None else route_floor
     try:
-        return _layer(rank, comm, lens, shape, dtype, balance)
+        with p2p_schedule(schedule):
+            return _layer(rank, comm, lens, shape, dtype, balance)
     finally:
         route.CPU_MIN_BYTES = floor
 

@@ -45,9 +45,13 @@ def test_terms_equal_inspect_counts(case, comm):
         for phase in ("forward", "backward"):  # the steps partition the totals
             assert sum(s.bytes_sent[phase] for s in r.steps) == r.bytes_sent[phase]
             assert sum(s.bytes_received[phase] for s in r.steps) == r.bytes_received[phase]
-        if comm[0] == "p2p":  # the ring moves exactly the needed rows, and only to ring peers
+        if comm[0] == "p2p":  # exactly the needed rows move: ring steps to the ring's peers, or
+            # the staged schedule's one exchange (within its memory bound)
             assert r.bytes_received["forward"] == r.bytes_needed["forward"]
-            assert all(s.kind == "ring" and s.peers == ((k - s.step) % cp, (k + s.step) % cp) for s in r.steps)
+            if any(s.kind == "staged" for s in r.steps):
+                assert len(r.steps) == 1 and set(r.steps[0].peers) <= set(range(cp)) - {k}
+            else:
+                assert all(s.kind == "ring" and s.peers == ((k - s.step) % cp, (k + s.step) % cp) for s in r.steps)
         if comm[0] == "all_gather":
             pad = max(sharding.num_tokens(j) for j in range(cp))
             assert r.bytes_received["forward"] == (cp - 1) * pad * kv_row
@@ -94,6 +98,29 @@ def test_overlap_timeline_by_hand():
         StepReport(0, "all_gather", (1,), {"forward": 10**9, "backward": 0}, {"forward": 10**9, "backward": 0})
     ]
     assert predict(rep, prof).forward_s == pytest.approx(4.0)
+
+
+def test_staged_timeline_by_hand():
+    """The staged exchange is posted with the local stage (step 0) and awaited by the joined
+    stage (step 1); backward's partials go home after the joined stage, exposed."""
+    # forward: 4 FLOPs per entry at 4 TFLOP/s; backward: 2 (3d + 2dv) = 10 FLOPs at 10 TFLOP/s
+    prof = load_profile("h100", fwd_tflops=4.0, bwd_tflops=10.0, launch_us=0.0, latency_us=0.0,
+                        intra_gbps=1.0, inter_gbps=1.0)  # fmt: skip
+    calls = [CallReport(s, [0, 1], [0, 1], True, (-1, 0), 0, 1, 10**12) for s in (0, 1)]  # 1 s each
+    for kv_s, home_s, fwd, bwd in ((3, 0.5, 4.0, 4.5), (0.5, 2, 2.0, 4.0)):
+        kv, home = int(kv_s * 10**9), int(home_s * 10**9)
+        st = StepReport(
+            1, "staged", (1, 2), {"forward": kv, "backward": kv + home}, {"forward": kv, "backward": kv + home}
+        )
+        r = RankReport(rank=0, tokens=1, padding=0, work=1, calls=calls, bytes_sent=dict(st.bytes_sent),
+                       bytes_received=dict(st.bytes_received), bytes_needed={"forward": 0, "backward": 0},
+                       steps=[st], heads=1)  # fmt: skip
+        rep = PlanReport("p2p", 3, MaskSpec.make(causal=True), 1, 1, num_heads=1, num_kv_heads=1, head_dim=1,
+                         v_head_dim=1, element_size=2)  # fmt: skip
+        rep.ranks[0] = r
+        cost = predict(rep, prof)
+        # forward: max(local 1 s, exchange) + joined 1 s; backward: the same, then the partials home
+        assert (cost.forward_s, cost.backward_s) == (pytest.approx(fwd), pytest.approx(bwd))
 
 
 def test_link_choice_follows_nodes():

@@ -10,7 +10,9 @@ import pytest
 import torch
 
 import megatron_cp_ext as mcx
+from megatron_cp_ext import schedules
 from megatron_cp_ext.batches import cu_seqlens, lognormal
+from megatron_cp_ext.schedules import staged_plan
 
 MASKS = {
     "causal": dict(causal=True),
@@ -156,12 +158,18 @@ def test_workload_work_on_one_long_document():
             assert w.max() / w.mean() <= bound, (name, cp)
 
 
-def test_workload_full_mask_short_documents_gather_nothing():
+def test_workload_full_mask_short_documents_gather_nothing(monkeypatch):
     """Under a full mask a short document (fewer tokens than 2 cp) leaves dual-chunk pieces
-    empty on some ranks and breaks a step's rows into runs; ``workload``'s reference split
-    there is the contiguous one (the same work per rank): no gathered rows, tiles as full."""
+    empty on some ranks and breaks a ring step's rows into runs; ``workload``'s reference split
+    there is the contiguous one (the same work per rank): no gathered rows, tiles as full. The
+    staged schedule's two stages gather nothing under either."""
     cu = cu_seqlens([5, 100, 300, 120, 7])
     shapes = dict(num_heads=2, num_kv_heads=2, head_dim=16)
+    monkeypatch.setattr(staged_plan, "MAX_BLOCKS", float("inf"))  # staged on both (forced)
+    for b in ("workload", "dualchunk"):
+        staged = mcx.inspect_plan(mcx.shard_sequences(cu, 8, b, causal=False), "p2p", causal=False, **shapes)
+        assert max(r.gathered_rows for r in staged.ranks.values()) == 0, b
+    monkeypatch.setattr(schedules, "P2P_SCHEDULE", "ring")
     rep = {
         b: mcx.inspect_plan(mcx.shard_sequences(cu, 8, b, causal=False), "p2p", causal=False, **shapes)
         for b in ("workload", "dualchunk")

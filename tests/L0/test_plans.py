@@ -11,9 +11,11 @@ import pytest
 import torch
 
 import megatron_cp_ext as mcx
+from megatron_cp_ext import schedules
 from megatron_cp_ext.masks import MaskSpec
 from megatron_cp_ext.plan import Layout, plan_steps
 from megatron_cp_ext.schedules import a2a, all_gather, p2p, p2p_plan
+from megatron_cp_ext.schedules.staged_plan import STAGE_SLICES, build_staged
 from megatron_cp_ext.testing.cases import PLAN_MASKS
 from megatron_cp_ext.testing.plancheck import call_pairs, check_p2p_plans, token_ids, visible_pairs
 
@@ -81,7 +83,13 @@ def test_p2p_plans_cover_match_and_move_only_needed_rows(mask_kw):
     for cp in (1, 2, 3, 4, 5, 2, 3, 4):
         for sh in _shardings(rng, cp, mask_kw):
             segs = [sh.rank_segments(r) for r in range(cp)]
-            check_p2p_plans(sh, [p2p.build_plan(segs, r, mask) for r in range(cp)], mask)
+            check_p2p_plans(sh, [_with_stages(p2p.build_plan(segs, r, mask), segs, mask) for r in range(cp)], mask)
+
+
+def _with_stages(plan: p2p.P2PPlan, segs, mask) -> p2p.P2PPlan:
+    """The ring plan with the staged schedule's stages beside it (both are then checked)."""
+    plan.staged = build_staged(plan, segs, mask)
+    return plan
 
 
 @pytest.mark.parametrize("mask_kw", [dict(causal=True), dict(causal=False), dict(causal=True, window_size=(100, -1)),
@@ -93,7 +101,7 @@ def test_workload_cut_documents_exact_cover(mask_kw):
         sh = mcx.shard_sequences([0, *np.cumsum(lens).tolist()], cp, "workload", **mask_kw)
         assert any(a > 0 or b < sh.seq_len(s) for s, a, b in sh.seg.tolist()), "expected a cut document"
         segs = [sh.rank_segments(r) for r in range(cp)]
-        check_p2p_plans(sh, [p2p.build_plan(segs, r, mask) for r in range(cp)], mask)
+        check_p2p_plans(sh, [_with_stages(p2p.build_plan(segs, r, mask), segs, mask) for r in range(cp)], mask)
 
 
 @pytest.mark.parametrize("mask_kw", PLAN_MASKS[:4] + PLAN_MASKS[8:10], ids=str)
@@ -129,18 +137,21 @@ def test_all_gather_and_a2a_plans_exact_cover(mask_kw):
                 assert sum(len(u[1]) for u in union_of) == sh.total_tokens
 
 
-def test_dense_masks_need_no_gathers_and_one_call_per_step():
-    """Workload layouts on a long-tail batch: dense-mask calls run on slices, at most two per step
-    (a document cut at rank boundaries can be shared by non-consecutive ranks; its rows then
-    sit in a second slice of the step)."""
+def test_dense_masks_need_no_gathers_and_one_call_per_step(monkeypatch):
+    """Workload layouts on a long-tail batch: dense-mask calls run on slices, at most two per ring
+    step (a document cut at rank boundaries can be shared by non-consecutive ranks; its rows then
+    sit in a second slice of the step), at most :data:`STAGE_SLICES` per stage of the staged
+    schedule."""
     lens = mcx.batches.lognormal(1 << 16, seed=3)
     for mask_kw in (dict(causal=True), dict(causal=True, chunk_size=4096)):
         sh = mcx.shard_sequences(mcx.batches.cu_seqlens(lens), 8, **mask_kw)
-        rep = mcx.inspect_plan(sh, "p2p", **mask_kw)
-        for r in rep.ranks.values():
-            assert r.gathered_rows == 0
-            steps = Counter(c.step for c in r.calls)
-            assert max(steps.values()) <= 2, steps
+        for schedule, most in (("ring", 2), ("staged", STAGE_SLICES)):
+            monkeypatch.setattr(schedules, "P2P_SCHEDULE", schedule)
+            rep = mcx.inspect_plan(sh, "p2p", **mask_kw)
+            for r in rep.ranks.values():
+                assert r.gathered_rows == 0, schedule
+                steps = Counter(c.step for c in r.calls)
+                assert max(steps.values()) <= most, (schedule, steps)
 
 
 def test_length_one_documents_join_the_causal_call():

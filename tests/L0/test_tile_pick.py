@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import megatron_cp_ext as mcx
-from megatron_cp_ext import balance_pick
+from megatron_cp_ext import balance_pick, schedules
 from megatron_cp_ext.batches import cu_seqlens, lognormal
 from megatron_cp_ext.masks import MaskSpec
 from megatron_cp_ext.tile_pick import GOAL, GOAL_OF_ONE, rank_paths, rank_tiles
@@ -18,6 +18,12 @@ MASKS = {
     "chunk2k": dict(causal=True, chunk_size=2048),
     "nomask": dict(causal=False),
 }
+
+
+@pytest.fixture(autouse=True)
+def _ring(monkeypatch):
+    """The tile step counts the ring's calls (one per peer block): compared with ring plans."""
+    monkeypatch.setattr(schedules, "P2P_SCHEDULE", "ring")
 
 
 def _planned_tiles(sh: mcx.CPSharding, kw: dict) -> np.ndarray:

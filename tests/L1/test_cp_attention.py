@@ -13,11 +13,14 @@ HEADS = {"mha": (4, 4, 8), "gqa": (4, 2, 8), "mqa": (4, 1, 8), "mla": (4, 2, 6)}
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("heads", list(HEADS))
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "nomask"])
-@pytest.mark.parametrize("comm_type", ["p2p", "all_gather"])
+@pytest.mark.parametrize("comm_type", ["p2p", "p2p-ring", "all_gather"])
 @pytest.mark.parametrize("world", [2, 4])
 def test_matches_dense_reference(world, comm_type, causal, heads, dtype):
+    """``p2p`` staged (forced: these small batches fail its memory bound) and as the ring."""
     hq, hkv, dv = HEADS[heads]
-    case = AttnCase(seqlens=SEQLENS, comm_type=comm_type, causal=causal, hq=hq, hkv=hkv, dv=dv, dtype=dtype)
+    comm, schedule = ("p2p", "ring") if comm_type == "p2p-ring" else (comm_type, "staged")
+    case = AttnCase(seqlens=SEQLENS, comm_type=comm, causal=causal, hq=hq, hkv=hkv, dv=dv, dtype=dtype,
+                    p2p_schedule=schedule)  # fmt: skip
     check_case(run_on_ranks(world, run_case, case), case)
 
 
@@ -44,3 +47,22 @@ def test_whole_sequences_on_single_ranks(world, comm_type):
 def test_softmax_scale_and_contiguous_balance(comm_type):
     case = AttnCase(seqlens=SEQLENS, comm_type=comm_type, balance="contiguous", causal=False)
     check_case(run_on_ranks(4, run_case, case), case)
+
+
+@pytest.mark.parametrize(
+    "mask", [dict(causal=True), dict(causal=False, window_size=(5, 3)), dict(chunk_size=8)], ids=str
+)
+@pytest.mark.parametrize("world", [2, 4])
+def test_staged_moves_by_index(world, mask):
+    """The staged schedule with every move and every joined call's dK/dV rows of more than one
+    run going by index (``staged-index``), on a custom sharding with many pieces per rank."""
+    seqlens = (40, 3, 57, 1, 22)
+    segs = [[] for _ in range(world)]
+    for s, n in enumerate(seqlens):
+        cuts = list(range(0, n, 5)) + [n]
+        for i, (a, b) in enumerate(zip(cuts[:-1], cuts[1:])):
+            segs[(s + i * 3) % world].append((s, a, b))
+    kw = dict(causal=True) | mask
+    case = AttnCase(seqlens=seqlens, segments=tuple(tuple(x) for x in segs), hkv=2, p2p_schedule="staged-index",
+                    seed=world, **kw)  # fmt: skip
+    check_case(run_on_ranks(world, run_case, case), case)
