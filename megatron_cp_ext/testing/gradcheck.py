@@ -16,7 +16,7 @@ import torch.distributed as dist
 import megatron_cp_ext as mcx
 
 from ..comm import all_gather_padded
-from .cases import AttnCase, cp_group_for
+from .cases import AttnCase, cp_group_for, p2p_schedule
 
 __all__ = ["gradcheck_on_ranks"]
 
@@ -67,4 +67,5 @@ def gradcheck_on_ranks(rank: int, world: int, case: AttnCase, fast: bool = False
         out = mcx.cp_attention(*local, cp_group=group, comm_type=case.comm_type, sharding=sharding, **mask)
         return _GatherTokens.apply(out, sharding, rank)
 
-    return torch.autograd.gradcheck(fn, (q, k, v), eps=1e-6, atol=1e-8, rtol=1e-6, fast_mode=fast)
+    with p2p_schedule(case.p2p_schedule):  # plans are built inside, on the first call
+        return torch.autograd.gradcheck(fn, (q, k, v), eps=1e-6, atol=1e-8, rtol=1e-6, fast_mode=fast)
