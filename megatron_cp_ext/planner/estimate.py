@@ -47,6 +47,7 @@ from ..sharding import CPSharding
 from .chains import member_area, merge_chains
 from .cost import PHASES
 from .entry_calls import Overlap, price_entries, starts
+from .estimate_staged import local_share, staged_times
 from .profiles import HardwareProfile
 
 __all__ = ["Geometry", "geometry", "estimate_times"]
@@ -265,51 +266,6 @@ def _ring_times(geo: Geometry, part, cp_of, kv_row, grad_row, heads, sh: _Shape,
     return out
 
 
-def _local_share(seg: np.ndarray, owner: np.ndarray, counts: np.ndarray, mask: MaskSpec) -> np.ndarray:
-    """Per rank, the share of its query rows that see no other rank's key (the staged
-    schedule's local stage; :func:`..schedules.staged_plan._remote_rows`, all ranks at once)."""
-    seg = np.asarray(seg, np.int64).reshape(-1, 3)
-    length = seg[:, 2] - seg[:, 1]
-    at = np.cumsum(length) - length
-    first = np.searchsorted(owner, owner, "left")
-    p = _pieces(Layout(seg[:, 0], seg[:, 1], seg[:, 2], at - at[first] if len(at) else at, owner), mask.chunk)
-    qi, ki = _join(p, p)
-    qi, ki = qi[p.buf[qi] != p.buf[ki]], ki[p.buf[qi] != p.buf[ki]]
-    lo, up = bounds(mask)
-    p0 = np.maximum(p.start[qi], p.start[ki] - up)
-    p1 = np.minimum(p.end[qi], p.end[ki] + lo)
-    r0 = p.row[qi] + (p0 - p.start[qi])
-    key, a, b = merge_ranges(p.buf[qi], r0, r0 + (p1 - p0))
-    remote = np.bincount(key, weights=b - a, minlength=len(counts))
-    return np.where(counts > 0, 1.0 - remote / np.maximum(counts, 1), 1.0)
-
-
-def _staged_times(geo: Geometry, local, kv_row, grad_row, heads, sh: _Shape, prof: HardwareProfile) -> dict:
-    """Layer time per phase of the staged ``p2p`` schedule (:mod:`..schedules.staged`): one
-    exchange with every peer, posted with the local stage and awaited by the joined stage;
-    in backward the dK/dV partials then go home. An approximation (``auto`` prices the ring
-    more exactly): the calls are priced as the gathered buffer's (``area_all``: document-
-    ordered keys), the local stage as the own block's area (``area[u, u]``) times the share of
-    rows that see only own keys (``local``), plus one call where both stages run."""
-    n = geo.area.shape[0]
-    ranks = np.arange(n)
-    need = geo.need * (1 - np.eye(n, dtype=geo.need.dtype))
-    recv, send = need.sum(axis=1), need.sum(axis=0)
-    peers = ((need > 0) | (need.T > 0)).sum(axis=1)
-    bw = _collective_bw(ranks, np.zeros(n, np.int64), np.full(n, n - 1), prof)
-    lat = prof.latency_us * 1e-6 * peers
-    kv = np.where(peers > 0, lat + np.maximum(recv, send) * kv_row / bw, 0.0)
-    home = np.where(peers > 0, lat + np.maximum(recv, send) * grad_row / bw, 0.0)
-    both = (local > 0) & (local < 1)
-    area_local = np.minimum(np.diag(geo.area) * local, geo.area_all)
-    c_local = sh.compute_s(area_local, both.astype(np.int64), heads, prof)
-    c_joined = sh.compute_s(geo.area_all - area_local, geo.calls_all, heads, prof)
-    return {
-        "forward": np.maximum(c_local["forward"], kv) + c_joined["forward"],
-        "backward": np.maximum(c_local["backward"], kv) + c_joined["backward"] + home,
-    }
-
-
 def _collective_bw(ranks: np.ndarray, first: np.ndarray, last: np.ndarray, prof: HardwareProfile) -> np.ndarray:
     """Bytes per second of each rank's slowest link to the members ``[first, last]``."""
     node = ranks // prof.ranks_per_node
@@ -350,8 +306,9 @@ def estimate_times(
                 flat = geometry(sharding.seg, owner, cp, mask, ring="p2p" in candidates,
                                 gather="all_gather" in candidates or staged)  # fmt: skip
             if ct == "p2p" and staged:
-                local = _local_share(sharding.seg, owner, counts, mask)
-                t = _staged_times(flat, local, kv_row, grad_row, num_heads, sh, profile)
+                local = local_share(sharding.seg, owner, counts, mask)
+                bw = _collective_bw(ranks, np.zeros(cp, np.int64), np.full(cp, cp - 1), profile)
+                t = staged_times(flat, local, kv_row, grad_row, num_heads, sh, profile, bw)
             elif ct == "p2p":
                 zero = dict.fromkeys(PHASES, np.zeros(cp))
                 t = _ring_times(flat, ranks, lambda j: j, kv_row, grad_row, num_heads, sh, profile, zero)
