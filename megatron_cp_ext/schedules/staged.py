@@ -3,9 +3,9 @@ then one joined stage over the own and received keys in document order — no me
 
 The plan (:mod:`.staged_plan`) sits beside the ring's (:mod:`.p2p_plan`) and moves the same
 rows: the ring's ``send``/``recv`` of every step, posted in step order in one batch, so the
-messages between two ranks keep one order on both sides. Received rows land back to back in
-one buffer; the joined buffer is then assembled by the plan's moves (slice copies, or one
-indexed copy per source).
+messages between two ranks keep one order on both sides. Each received piece lands straight
+in its rows of the joined buffer (a packed step in a buffer of its own, copied into place);
+the own rows are copied in while the messages travel.
 
 Backward: KV moves again; the local stage runs while it travels; the joined stage's dK/dV
 partials land as the calls produce them, received rows' in one fp32 buffer in step order
@@ -38,7 +38,7 @@ def prepare(plan, device: torch.device) -> None:
     st: StagedPlan = plan.staged
     st.local.on(device)
     st.joined.on(device)
-    moves = [st.own, st.recv] + [p.recv_moves for p in st.pieces.values() if p.recv_moves is not None]
+    moves = [st.own] + [p.recv_moves for p in st.pieces.values() if p.recv_moves is not None]
     for m in moves:
         if m.runs is None:
             m.on(device)

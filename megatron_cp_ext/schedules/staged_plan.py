@@ -13,8 +13,9 @@ stages, with no merge at all:
    keys are contiguous and one varlen call (or two) covers them all.
 
 Each query row is in one stage, so outputs and dq are copied into place in the kernel's dtype
-(:mod:`.placed`) instead of merged. The joined buffer costs one copy of the rows it holds;
-the ring's per-step merges cost a read and a write of the fp32 accumulator each.
+(:mod:`.placed`) instead of merged. The joined buffer costs one copy of the own rows it
+holds (received pieces land in place, :class:`.staged_moves.StepPieces`); the ring's
+per-step merges cost a read and a write of the fp32 accumulator each.
 
 Names: ``rows`` are int64 row numbers; a :class:`Moves` maps rows of a source buffer to rows
 of the joined buffer.

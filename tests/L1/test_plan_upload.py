@@ -27,7 +27,7 @@ def _caches(ring: p2p.P2PPlan) -> dict:
         out[f"recv{st.slot}"] = sorted(st.recv._dev)
     if ring.staged is not None:
         sp = ring.staged
-        moves = [sp.own, sp.recv] + [p.recv_moves for p in sp.pieces.values() if p.recv_moves is not None]
+        moves = [sp.own] + [p.recv_moves for p in sp.pieces.values() if p.recv_moves is not None]
         out["staged"] = [sorted(x._device_calls) for x in (sp.local, sp.joined)] + [
             sorted(m._dev) for m in moves if m.runs is None
         ]
