@@ -50,7 +50,7 @@ class Moves:
         n = np.diff(np.concatenate([first, [len(self.src)]]))
         return tuple((int(self.src[a]), int(self.dst[a]), int(m)) for a, m in zip(first, n))
 
-    @property
+    @functools.cached_property
     def identity_src(self) -> bool:
         """Whether ``src`` is every source row in order (no gather needed on that side)."""
         return bool(len(self.src) == 0 or (self.src[0] == 0 and (np.diff(self.src) == 1).all()))
@@ -64,7 +64,8 @@ class Moves:
         return self._dev[key]
 
     def host(self) -> Moves:
-        _ = self.runs
+        """Fill the host caches the hot path reads (at plan time, not in a layer)."""
+        _ = self.runs, self.identity_src
         return self
 
     def __getstate__(self) -> dict:  # device copies never travel
