@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--cp", default="2,4,8")
     ap.add_argument("--balance", default="workload")
     ap.add_argument("--comm", default=",".join(COMMS),
-                    help="comm types, comma-separated; p2p:staged / p2p:ring force how p2p runs")  # fmt: skip
+                    help="comma-separated; p2p:staged / p2p:ring (a2a+p2p:...) force how rings run")  # fmt: skip
     ap.add_argument("--route-floor", type=int, default=None, help="a2a: route messages of at least this many bytes")
     args = ap.parse_args(argv)
     lens = batches.lognormal(args.tokens, median=args.median, seed=args.seed)
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> None:
     print("|---|---|---|---|---|---|---|")
     for cp in map(int, args.cp.split(",")):
         for comm in args.comm.split(","):
-            if comm == "a2a+p2p" and (cp < 4 or cp % 2):
+            if comm.split(":")[0] == "a2a+p2p" and (cp < 4 or cp % 2):
                 continue
             res = run_on_ranks(
                 cp, layer_traffic, comm, lens, shape, args.dtype, args.balance, args.route_floor, timeout=900

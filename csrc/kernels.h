@@ -54,4 +54,9 @@ cudaError_t launch_merge_partial(
 cudaError_t launch_row_dot(
     float* out, const void* a, const void* b, Dtype dtype, int64_t rows, int64_t d, cudaStream_t stream);
 
+// out[r, :] = zeros but at the two largest |dout[r, :]| entries, which carry delta[r] (fp32)
+// as dout's row dot (schedules/delta.py's stand-in); 16-bit dout, d >= 2.
+cudaError_t launch_stand_in(
+    void* out, const void* dout, const float* delta, Dtype dtype, int64_t rows, int64_t d, cudaStream_t stream);
+
 }  // namespace megatron_cp_ext

@@ -190,6 +190,26 @@ at::Tensor row_dot_cuda(const at::Tensor& a, const at::Tensor& b) {
   return out;
 }
 
+at::Tensor stand_in_cuda(const at::Tensor& dout, const at::Tensor& delta) {
+  check_cuda_contiguous(dout, dout, "dout");
+  check_cuda_contiguous(delta, dout, "delta");
+  TORCH_CHECK(dout.dim() >= 1 && dout.size(-1) >= 2, "dout must have a last dim of at least 2, got ", dims(dout.sizes()));
+  TORCH_CHECK(
+      delta.sizes() == dout.sizes().slice(0, dout.dim() - 1),
+      "delta ", dims(delta.sizes()), " must be dout ", dims(dout.sizes()), " without its last dim");
+  TORCH_CHECK(
+      dout.scalar_type() == at::kHalf || dout.scalar_type() == at::kBFloat16,
+      "dout must be fp16 or bf16, got ", dout.scalar_type());
+  TORCH_CHECK(delta.scalar_type() == at::kFloat, "delta must be fp32, got ", delta.scalar_type());
+  const int64_t d = dout.size(-1);
+  at::Tensor out = at::empty(dout.sizes(), dout.options());
+  const c10::cuda::CUDAGuard guard(dout.device());
+  C10_CUDA_CHECK(launch_stand_in(
+      out.mutable_data_ptr(), dout.const_data_ptr(), delta.const_data_ptr<float>(),
+      to_dtype(dout.scalar_type(), "dout"), dout.numel() / d, d, stream_of(dout)));
+  return out;
+}
+
 TORCH_LIBRARY(megatron_cp_ext, m) {
   m.set_python_module("megatron_cp_ext.ops");
   m.def("gather_rows(Tensor x, Tensor idx) -> Tensor");
@@ -198,6 +218,7 @@ TORCH_LIBRARY(megatron_cp_ext, m) {
       "merge_partial_(Tensor(a!) out, Tensor(b!) lse, Tensor part_out, Tensor part_lse, "
       "Tensor? idx) -> ()");
   m.def("row_dot(Tensor a, Tensor b) -> Tensor");
+  m.def("stand_in(Tensor dout, Tensor delta) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(megatron_cp_ext, CUDA, m) {
@@ -205,6 +226,7 @@ TORCH_LIBRARY_IMPL(megatron_cp_ext, CUDA, m) {
   m.impl("index_add_rows_", &index_add_rows_cuda);
   m.impl("merge_partial_", &merge_partial_cuda);
   m.impl("row_dot", &row_dot_cuda);
+  m.impl("stand_in", &stand_in_cuda);
 }
 
 }  // namespace megatron_cp_ext

@@ -240,10 +240,6 @@ def _a2a_bytes(plan: A2APlan, hq: int, hkv: int, d: int, dv: int, es: int, token
     # queries' move would go so on a GPU; else the all-to-all's permutation gathers the group's rows
     if a > 1 and (plan.route is None or not worth(plan.route, hq * d * es, MIN_BYTES)):
         packed += len(plan.perm)
-    # the forward's calls: a2a+p2p halves its ring's wide ones on large shards (``p2p_plan.split_wide``)
-    split = use_split(ring.counts[ring.rank], nq[me], dv, es)
-    fwd = [(st.slot, st.fwd if split and st.fwd is not None else st.plan) for st in ring.steps]
-    calls = _call_reports(0, ring.own) + [c for slot, p in fwd for c in _call_reports(slot, p)]
     base = rank - me  # CP rank = p2p index * a + a2a member
     steps = []
     if a > 1:
@@ -251,6 +247,15 @@ def _a2a_bytes(plan: A2APlan, hq: int, hkv: int, d: int, dv: int, es: int, token
         steps.append(StepReport(
             0, "a2a", peers, {"forward": fwd_out, "backward": bwd_out}, {"forward": fwd_in, "backward": bwd_in}
         ))  # fmt: skip
+    if ring.staged is not None:  # the ring across groups staged: two stages, one exchange
+        calls = _call_reports(0, ring.staged.local) + _call_reports(1, ring.staged.joined)
+        peers = tuple(sorted({x * a + me for st in ring.steps for x in (st.src, st.dst)}))
+        steps += [StepReport(1, "staged", peers, rs, rr)] if ring.steps else []
+        return sent, recv, packed, nq[me] / hq, calls if nq[me] else [], steps, nq[me]
+    # the forward's calls: a2a+p2p halves its ring's wide ones on large shards (``p2p_plan.split_wide``)
+    split = use_split(ring.counts[ring.rank], nq[me], dv, es)
+    fwd = [(st.slot, st.fwd if split and st.fwd is not None else st.plan) for st in ring.steps]
+    calls = _call_reports(0, ring.own) + [c for slot, p in fwd for c in _call_reports(slot, p)]
     steps += _ring_steps(ring, nkv[me] * (d + dv) * es, nkv[me] * (d + dv) * 4, lambda j: j * a + me)
     return sent, recv, packed, nq[me] / hq, calls if nq[me] else [], steps, nq[me]
 

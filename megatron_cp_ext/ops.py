@@ -21,7 +21,7 @@ import importlib
 
 import torch
 
-__all__ = ["HAS_CUDA_EXT", "LSE_FLOOR", "gather_rows", "index_add_rows", "merge_partial", "row_dot16"]
+__all__ = ["HAS_CUDA_EXT", "LSE_FLOOR", "gather_rows", "index_add_rows", "merge_partial", "row_dot16", "stand_in16"]
 
 
 def _load_extension() -> str | None:
@@ -70,6 +70,10 @@ if HAS_CUDA_EXT:
     @torch.library.register_fake("megatron_cp_ext::row_dot")
     def _row_dot_fake(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return a.new_empty(a.shape[:-1], dtype=torch.float32)
+
+    @torch.library.register_fake("megatron_cp_ext::stand_in")
+    def _stand_in_fake(dout: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        return dout.new_empty(dout.shape)
 
 
 def _use_kernel(*tensors: torch.Tensor) -> bool:
@@ -206,4 +210,15 @@ def row_dot16(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
     (the caller's torch form runs instead)."""
     if a.dtype in _HALVES and a.dtype == b.dtype and a.shape == b.shape and _use_kernel(a, b):
         return torch.ops.megatron_cp_ext.row_dot(a, b)
+    return None
+
+
+def stand_in16(dout: torch.Tensor, delta: torch.Tensor) -> torch.Tensor | None:
+    """The flash backward's stand-in output (:func:`.schedules.delta.stand_in`) for 16-bit
+    ``dout`` ``[..., D]`` (``D >= 2``) and fp32 ``delta`` ``[...]`` by the CUDA kernel: one
+    read of ``dout``, one write of the result, the torch form's values to the bit; None where
+    the kernel does not apply (the caller's torch form runs instead)."""
+    fits = dout.dim() >= 1 and dout.shape[-1] >= 2 and delta.shape == dout.shape[:-1]
+    if fits and dout.dtype in _HALVES and delta.dtype == torch.float32 and _use_kernel(dout, delta):
+        return torch.ops.megatron_cp_ext.stand_in(dout, delta)
     return None

@@ -343,7 +343,9 @@ def _unions(seg: np.ndarray, group: np.ndarray) -> tuple[np.ndarray, np.ndarray]
 def _a2a_times(sharding: CPSharding, owner, mask: MaskSpec, a: int, counts: np.ndarray, sh: _Shape, prof) -> dict:
     cp = sharding.cp_size
     useg, ugroup = _unions(sharding.seg, owner // a)
-    geo = geometry(useg, ugroup, cp // a, mask, gather=False)
+    lens = np.diff(np.asarray(sharding.cu_seqlens, np.int64))
+    staged = cp > a and schedules.P2P_SCHEDULE == "staged" and staged_fits(useg, ugroup, lens, cp // a, mask)
+    geo = geometry(useg, ugroup, cp // a, mask, gather=staged)
     q_parts, kv_parts = _split_heads(sh.hq, sh.hkv, a)
     nq = np.array([y - x for x, y in q_parts])
     nkv = np.array([y - x for x, y in kv_parts])
@@ -364,4 +366,24 @@ def _a2a_times(sharding: CPSharding, owner, mask: MaskSpec, a: int, counts: np.n
     heads = nq[me]
     kv_row = nkv[me] * (sh.d + sh.dv) * sh.es
     grad_row = nkv[me] * (sh.d + sh.dv) * 4
+    if staged:
+        return _staged_a2a(geo, local_share(useg, ugroup, gsum[::a], mask), a, nq, nkv, sh, prof, coll)
     return _ring_times(geo, g, lambda j: j * a + me, kv_row, grad_row, heads, sh, prof, coll)
+
+
+def _staged_a2a(geo, local, a: int, nq, nkv, sh: _Shape, prof, coll: dict) -> dict:
+    """a2a+p2p with its ring across the groups staged: per member index ``m``, the participants
+    (groups) run :func:`.estimate_staged.staged_times` over its head shard, after the
+    collectives ``coll``; a member without heads computes and sends nothing."""
+    n = geo.area.shape[0]
+    out = {p: np.array(coll[p], np.float64, copy=True) for p in PHASES}
+    for m in range(a):
+        if not nq[m]:
+            continue
+        cp_rank = np.arange(n) * a + m
+        bw = _collective_bw(cp_rank, np.full(n, m), np.full(n, (n - 1) * a + m), prof)
+        row = nkv[m] * (sh.d + sh.dv)
+        t = staged_times(geo, local, row * sh.es, row * 4, int(nq[m]), sh, prof, bw)
+        for p in PHASES:
+            out[p][cp_rank] += t[p]
+    return out

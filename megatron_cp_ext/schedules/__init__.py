@@ -22,8 +22,8 @@ P2P_SCHEDULE = os.environ.get("MEGATRON_CP_EXT_P2P_SCHEDULE", "staged")
 """How ``p2p`` runs: ``"staged"`` (every message at once, a local and a joined stage, no
 merges: :mod:`.staged`) where its memory bound holds on the batch
 (:func:`.staged_plan.staged_fits`), else the ring; or ``"ring"`` always (step by step, a merge
-per step: :mod:`.p2p`). Read when a plan is built; ``a2a+p2p``'s ring across its groups always
-runs as the ring."""
+per step: :mod:`.p2p`). Read when a plan is built; ``a2a+p2p``'s ring across its groups runs the
+same way (the bound over the groups' token sets)."""
 
 
 def schedule_of(plan) -> ModuleType:
@@ -39,7 +39,9 @@ def build_plan(sharding: CPSharding, comm_type: str, cp_rank: int, a2a_size: int
     if sharding.cp_size == 1:
         comm_type = "all_gather"  # a single rank: local attention, no communication
     if comm_type in ("a2a", "a2a+p2p"):
-        return a2a.build_plan(sharding, a2a_size, cp_rank, mask)
+        if P2P_SCHEDULE not in ("staged", "ring"):
+            raise ValueError(f"P2P_SCHEDULE must be 'staged' or 'ring', got {P2P_SCHEDULE!r}")
+        return a2a.build_plan(sharding, a2a_size, cp_rank, mask, P2P_SCHEDULE)
     segs = [sharding.rank_segments(r) for r in range(sharding.cp_size)]
     plan = SCHEDULES[comm_type].build_plan(segs, cp_rank, mask)
     if comm_type == "p2p":

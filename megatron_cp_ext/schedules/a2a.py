@@ -29,12 +29,13 @@ import torch
 from ..masks import MaskSpec
 from ..ops import LSE_FLOOR
 from ..sharding import CPSharding
-from . import a2a_groups, p2p
+from . import a2a_groups, p2p, staged
 from .common import KV, GradAcc, OutAcc, Run, acc_dtype, apply_sink, new_accumulators, step_forward, take
 from .delta import row_dot
 from .heads import assemble, from_heads, head_room, split_heads, to_heads
 from .p2p_plan import plan_narrow, split_wide
 from .route import Route, from_group, routed
+from .staged_plan import build_staged, staged_fits
 
 __all__ = ["A2APlan", "build_plan", "group_union", "attention", "split_heads"]
 
@@ -88,8 +89,10 @@ def group_union(sharding: CPSharding, members: range) -> tuple[np.ndarray, np.nd
     return union, perm, [sharding.num_tokens(m) for m in members]
 
 
-def build_plan(sharding: CPSharding, a2a_size: int, cp_rank: int, mask: MaskSpec) -> A2APlan:
-    """Plan for CP rank ``cp_rank`` = ``p2p_rank * a2a_size + a2a_rank``.
+def build_plan(sharding: CPSharding, a2a_size: int, cp_rank: int, mask: MaskSpec, schedule: str = "ring") -> A2APlan:
+    """Plan for CP rank ``cp_rank`` = ``p2p_rank * a2a_size + a2a_rank``. ``schedule``: how the
+    ring across the a2a groups runs, as ``p2p``'s (``"staged"`` where its memory bound holds
+    over the groups' token sets, :mod:`.staged`; else ``"ring"``).
 
     The members of one a2a group share everything but their member index (the same tokens in
     the same order, the same ring across groups), so the group's part is built once per
@@ -97,7 +100,7 @@ def build_plan(sharding: CPSharding, a2a_size: int, cp_rank: int, mask: MaskSpec
     O(cp) instead of repeating each group's O(cp) union for every member.
     """
     me = cp_rank // a2a_size
-    key = ("a2a-group", a2a_size, me, mask)
+    key = ("a2a-group", a2a_size, me, mask, schedule)
     group = sharding._plans.get(key)
     if group is None:
         ukey = ("a2a-unions", a2a_size)
@@ -110,13 +113,29 @@ def build_plan(sharding: CPSharding, a2a_size: int, cp_rank: int, mask: MaskSpec
         perm_t = torch.from_numpy(perm.astype(np.int64))
         inv = torch.empty_like(perm_t)
         inv[perm_t] = torch.arange(perm_t.numel())
-        ring = p2p.build_plan([u[0] for u in unions], me, mask)
-        if len(ring.counts) > 1:  # the ring's backward owns dout and out: plan what it keeps of them
+        segs = [u[0] for u in unions]
+        ring = p2p.build_plan(segs, me, mask)
+        if len(ring.counts) > 1 and schedule == "staged" and _staged_fits(sharding, segs, mask):
+            ring.staged = build_staged(ring, segs, mask)
+        elif len(ring.counts) > 1:  # the ring's backward owns dout and out: plan what it keeps of them
             ring.narrow = plan_narrow(ring)
             split_wide(ring)  # its forward runs beside the head-sharded q and KV: halve wide partials
         group = sharding._plans[key] = (counts, perm_t, inv, ring, Route.of(perm, counts))
     counts, perm_t, inv, ring, route = group
     return A2APlan(counts, perm_t, inv, ring, cp_rank % a2a_size, route)
+
+
+def _staged_fits(sharding: CPSharding, segs: list[np.ndarray], mask: MaskSpec) -> bool:
+    """:func:`.staged_plan.staged_fits` over the a2a groups' token sets (each group one ring
+    participant), decided alike by every rank."""
+    owner = np.repeat(np.arange(len(segs)), [len(s) for s in segs])
+    lens = np.diff(np.asarray(sharding.cu_seqlens, np.int64))
+    return staged_fits(np.concatenate(segs).reshape(-1, 3), owner, lens, len(segs), mask)
+
+
+def _ring_backward(ring: Run):
+    """The backward of a2a+p2p's ring across groups on packed KV: staged or step by step."""
+    return staged.backward_packed if ring.plan.staged is not None else p2p.backward_packed
 
 
 class _A2AAttention(torch.autograd.Function):
@@ -144,7 +163,8 @@ class _A2AAttention(torch.autograd.Function):
             out_h, lse = acc.result()
             del acc
         elif h1 > h0:
-            out_h, lse = p2p.forward(run.ring, q_h, kv_h[..., :dk], kv_h[..., dk:], kv=kv_h)
+            fwd = staged.forward if run.ring.plan.staged is not None else p2p.forward
+            out_h, lse = fwd(run.ring, q_h, kv_h[..., :dk], kv_h[..., dk:], kv=kv_h)
         if h1 > h0 and offset is not None:
             out_h, lse = apply_sink(out_h, lse, offset[h0:h1])
         if h1 <= h0:  # a member without heads computes nothing (its peers in the other groups neither)
@@ -184,11 +204,12 @@ class _A2AAttention(torch.autograd.Function):
         plain = len(ctx.run.ring.plan.counts) == 1  # a ring of one
         shape = (ctx.t, ctx.hq, ctx.hkv)
         n = a2a_groups.choose(ctx.heads, plan.counts, *shape[1:], dk, y.shape[-1], dtype, ring=not plain)
+        block = _own_backward if plain else _ring_backward(ctx.run.ring)
         if n > 1:  # by head groups (:mod:`.a2a_groups`): dK/dV come back in head layout
             saved = (q_h, kv_h, lse, dout.contiguous(), y)
             want_off = offset is not None and ctx.needs_input_grad[3]
             dq, dk_h, dv_h, d_off = a2a_groups.backward(
-                ctx.run.ring, _own_backward if plain else p2p.backward_packed, plan, group, ctx.heads, saved, offset,
+                ctx.run.ring, block, plan, group, ctx.heads, saved, offset,
                 want_off, shape, n, wide=not plain,
             )  # fmt: skip
             del saved
@@ -209,7 +230,7 @@ class _A2AAttention(torch.autograd.Function):
         if h1 > h0:  # the ring's: fp32 / fp64, dK and dV apart (adopted kernel outputs, no packed zeros)
             saved = [dout_h, q_h, out_h, lse]  # handed over: the ring keeps only the rows it reads
             del dout_h, out_h
-            dq_h, dk_h, dv_h = (_own_backward if plain else p2p.backward_packed)(ctx.run.ring, saved, kv_h)
+            dq_h, dk_h, dv_h = block(ctx.run.ring, saved, kv_h)
             del saved
         else:
             dq_h = torch.zeros_like(q_h, dtype=acc_dtype(q_h))

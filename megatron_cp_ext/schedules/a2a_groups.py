@@ -37,7 +37,8 @@ from .heads import Range, heads_into, to_heads
 from .route import routed
 
 __all__ = [
-    "MIN_GROUP_BYTES", "RING_MIN_GROUP_BYTES", "GROUPS", "group_parts", "valid", "choose", "rows_to_heads", "backward",
+    "MIN_GROUP_BYTES", "RING_MIN_GROUP_BYTES", "SHARED_MIN_GAIN", "GROUPS", "group_parts", "valid", "choose",
+    "rows_to_heads", "backward",
 ]  # fmt: skip
 
 MIN_GROUP_BYTES = 1 << 20
@@ -53,6 +54,14 @@ launches at G = 2), all paid again per step, so only shards whose buffers matter
 terms (a 16 MiB group dout is 4K tokens of 32 heads x 128 in bf16 at G = 2), and whose ring
 steps take long enough to hide the extra launches, are split. A judgement, like
 :data:`MIN_GROUP_BYTES`, not a measured knee."""
+SHARED_MIN_GAIN = 0.25
+"""Groups that split a KV head's query heads (its dK/dV partials summed in the accumulator
+dtype) are taken only where they lower the modelled peak by at least this share of the
+layer's ideal (the member's own q, k, v, out and lse). The sums cost ``G - 1`` reads and
+writes of a widened dK/dV and the split ``G`` times the calls and all-to-alls: at 16K tokens,
+cp 8, 32/8 heads, bf16, four such groups lowered the peak 2.79 -> 2.70 of the ideal and
+raised the traffic around the kernels 1.61 -> 2.73 (docs/performance.md). A judgement from
+that measurement, not a measured knee."""
 GROUPS: int | None = None
 """Forces the largest valid count in {1, 2, 4} up to this one, regardless of size and of the
 modelled peak (tests: small batches); None chooses by :func:`choose`."""
@@ -111,7 +120,8 @@ def choose(heads, counts: list[int], hq: int, hkv: int, d: int, dv: int, dtype: 
     to heads, the output's stand-in and the kernel's dq, and cost the whole token-layout dq (alive
     from the first group) plus, where KV heads are shared by groups, their summed dK/dV
     (acc dtype) beside the kernel's, else 1/G of the kernel's dK/dV. The largest gain wins;
-    no gain, or a group whose dout all-to-all is under :data:`MIN_GROUP_BYTES`, keeps one.
+    no gain, or a group whose dout all-to-all is under :data:`MIN_GROUP_BYTES`, keeps one;
+    groups summing a shared KV head's partials need :data:`SHARED_MIN_GAIN`.
 
     ``ring``: for ``a2a+p2p``'s ring, only counts whose groups read disjoint KV heads on every
     member (:func:`valid`); its dq and dK/dV are kept in the accumulator dtype."""
@@ -125,14 +135,18 @@ def choose(heads, counts: list[int], hq: int, hkv: int, d: int, dv: int, dtype: 
     moved = rows * nq * (2 * dv * size + d * (wide if ring else size))
     home = max(counts) * hq * d * size
     kv_kernel = rows * nkv * (d + dv) * (wide if ring else size)
+    ideal = max(counts) * ((hq + hkv) * (d + dv) * size + hq * 4)  # token layout: q, out, k, v, lse
     best, gain = 1, 0.0
     for c in _CANDIDATES:
         parts = group_parts(*heads, hq, hkv, c)
         floor = RING_MIN_GROUP_BYTES if ring else MIN_GROUP_BYTES
         if not valid(heads, hq, hkv, c, ring) or rows * nq * dv * size / c < floor:
             continue
-        kv_cost = kv_kernel * wide / size if _shared(parts, m) else kv_kernel / c
+        shared = _shared(parts, m)
+        kv_cost = kv_kernel * wide / size if shared else kv_kernel / c
         g = moved * (1 - 1 / c) - home - kv_cost
+        if shared and g < SHARED_MIN_GAIN * ideal:
+            continue
         if g > gain:
             best, gain = c, g
     return best

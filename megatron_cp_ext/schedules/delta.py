@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import torch
 
-from ..ops import row_dot16
+from ..ops import row_dot16, stand_in16
 
-__all__ = ["row_dot", "row_dot_torch", "stand_in"]
+__all__ = ["row_dot", "row_dot_torch", "stand_in", "stand_in_torch"]
 
 CHUNK_BYTES = 128 << 20
 """fp32 bytes of one row chunk of :func:`row_dot`'s widened 16-bit operands on CUDA."""
@@ -79,13 +79,30 @@ def _row_dot16(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
     return row_dot16(a, b)
 
 
+def _stand_in16(dout: torch.Tensor, delta: torch.Tensor) -> torch.Tensor | None:
+    """The CUDA kernel's 16-bit stand-in (:func:`..ops.stand_in16`: one read of ``dout``, one
+    write, where the torch form below makes six passes), or None where it does not apply. A
+    module attribute, so the traffic proxy can count it as the one kernel it is on a GPU."""
+    return stand_in16(dout, delta)
+
+
 def stand_in(dout: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     """A ``dout``-shaped tensor ``x`` (its dtype) with ``sum_d dout_d * x_d = delta`` per row
     and head, to take the output's place in a flash backward (see the module docstring).
 
     ``dout``: ``[T, h, Dv]``; ``delta``: ``[T, h]`` in the accumulator dtype. One entry per row
     where the input is fp32 or fp64 (its rounding is the input's own), two for 16-bit inputs.
-    A zero ``dout_k`` divides by 1 instead (``delta`` is 0 there, or the entry adds nothing)."""
+    A zero ``dout_k`` divides by 1 instead (``delta`` is 0 there, or the entry adds nothing).
+    16-bit rows on CUDA run the csrc kernel where it is built, to the bit the same."""
+    if dout.element_size() < 4 and dout.shape[-1] > 1:
+        got = _stand_in16(dout, delta)
+        if got is not None:
+            return got
+    return stand_in_torch(dout, delta)
+
+
+def stand_in_torch(dout: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """:func:`stand_in`'s torch form (CPU, and CUDA without the kernel)."""
     width = dout.shape[-1]
     if width == 0:
         return torch.empty_like(dout)

@@ -21,13 +21,13 @@ import torch
 from ..comm import Message, Peers
 from ..ops import gather_rows, index_add_rows
 from .common import KV, GradAcc, OutAcc, Run, acc_dtype, add_rows, step_backward, step_forward
-from .p2p import _dense, _kv_rows, head_groups
+from .p2p import _buffer, _dense, _kv_rows, head_groups
 from .p2p import _land as _land_home
 from .placed import PlacedGrad, PlacedOut
 from .staged_moves import Moves
 from .staged_plan import StagedPlan
 
-__all__ = ["forward", "backward", "prepare"]
+__all__ = ["forward", "backward", "backward_packed", "prepare"]
 
 _KV_TAG, _HOME_TAG = 0, 2
 
@@ -50,16 +50,22 @@ def prepare(plan, device: torch.device) -> None:
             k.on(device)
 
 
+def _tensors(kv: KV) -> list[torch.Tensor]:
+    """The tensors a message of ``kv``'s rows carries: the packed K|V rows, or K and V."""
+    return [kv.packed] if kv.packed is not None else [kv.k, kv.v]
+
+
 def _post_kv(peers: Peers, plan, own: KV, joined: KV | None) -> tuple[list, list]:
     """Post every step's KV messages in one batch, in step order: each piece straight into its
     rows of ``joined`` (the receiver allocated it), a packed step into a buffer of its own.
+    Packed K|V (``own.packed``: a2a+p2p's head-sharded KV) travels as one message per piece.
     Returns the batch and the packed receives ``(buffer, moves)`` to copy into place."""
     st: StagedPlan = plan.staged
     sends, recvs, packed = [], [], []
+    xs = _tensors(own)
     for step in plan.steps:
         pc = st.pieces[step.slot]
         if step.send.n:
-            xs = [own.k, own.v]
             if pc.send_packed:
                 idx = step.send.index_on(own.k.device)
                 sends += [Message(step.dst, gather_rows(x, idx), _KV_TAG) for x in xs]
@@ -67,11 +73,11 @@ def _post_kv(peers: Peers, plan, own: KV, joined: KV | None) -> tuple[list, list
                 sends += [Message(step.dst, _dense(x[a : a + n]), _KV_TAG) for x in xs for a, n in pc.send]
         if step.recv.n:
             if pc.recv_packed:
-                buf = _kv_rows(own, step.recv.n)
-                recvs += [Message(step.src, x, _KV_TAG) for x in (buf.k, buf.v)]
+                buf, parts = _buffer(own, step.recv.n)
+                recvs += [Message(step.src, x, _KV_TAG) for x in parts]
                 packed.append((buf, pc.recv_moves))
             else:
-                recvs += [Message(step.src, x[a : a + n], _KV_TAG) for x in (joined.k, joined.v) for a, n in pc.recv]
+                recvs += [Message(step.src, x[a : a + n], _KV_TAG) for x in _tensors(joined) for a, n in pc.recv]
     batch = peers.post(sends, recvs) if sends or recvs else []
     return batch, packed
 
@@ -88,30 +94,34 @@ def _move_into(dst: torch.Tensor, src: torch.Tensor, moves: Moves) -> None:
 
 
 def _exchange(run: Run, own: KV) -> tuple[KV | None, list, list]:
-    """Allocate the joined buffer, post the KV messages into it and copy the own rows in:
-    ``(joined, batch, packed)`` (:func:`_post_kv`); no joined buffer where nothing needs one."""
+    """Allocate the joined buffer (packed where ``own`` is), post the KV messages into it and
+    copy the own rows in: ``(joined, batch, packed)`` (:func:`_post_kv`); no joined buffer
+    where nothing needs one."""
     st: StagedPlan = run.plan.staged
-    joined = KV(*(x.new_empty((st.rows, *x.shape[1:])) for x in (own.k, own.v))) if st.rows else None
+    joined = _buffer(own, st.rows)[0] if st.rows else None
     batch, packed = _post_kv(Peers(run.group, _KV_TAG), run.plan, own, joined)
     if joined is not None:
-        for i in range(2):
-            _move_into(joined[i], own[i], st.own)
+        for dst, src in zip(_tensors(joined), _tensors(own)):
+            _move_into(dst, src, st.own)
     return joined, batch, packed
 
 
 def _land(joined: KV, packed: list) -> None:
     """Copy the packed steps' rows into place (their batch done)."""
     for buf, moves in packed:
-        for i in range(2):
-            _move_into(joined[i], buf[i], moves)
+        for dst, src in zip(_tensors(joined), _tensors(buf)):
+            _move_into(dst, src, moves)
 
 
-def forward(run: Run, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def forward(
+    run: Run, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Output and lse: the kernel's dtype where each query row is in one call (copied into
-    place), else the accumulator dtype (the caller adds any sink and rounds once)."""
+    place), else the accumulator dtype (the caller adds any sink and rounds once). ``kv``: k
+    and v already packed (``k``/``v`` are then its views): sent and joined packed."""
     device = q.device
     st: StagedPlan = run.plan.staged
-    own = KV(k, v)
+    own = KV(k, v, kv)
     joined, batch, packed = _exchange(run, own)
     acc = PlacedOut(q, v.shape[-1], st.covered) if st.once else OutAcc(q, v.shape[-1])
     views: dict = {}
@@ -142,6 +152,15 @@ def backward(run: Run, dout, q, k, v, out, lse) -> tuple[torch.Tensor, torch.Ten
         saved = (dout[:, a:b], q[:, a:b], out[:, a:b], lse[:, a:b])
         _backward(run, saved, KV(k[:, ka:kb], v[:, ka:kb]), (dq[:, a:b], KV(dk[:, ka:kb], dv[:, ka:kb])))
     return dq, dk, dv
+
+
+def backward_packed(run: Run, saved: list, kv: torch.Tensor, into: tuple | None = None) -> tuple[torch.Tensor, ...]:
+    """One staged pass on packed ``kv`` (a2a+p2p's ring across its groups, or one of its head
+    groups, which that schedule runs itself): ``dq, dk, dv`` as :func:`_backward`'s.
+    ``saved``: ``[dout, q, out, lse]``, handed over (emptied here)."""
+    held = tuple(saved)
+    saved.clear()
+    return _backward(run, held, KV.of(kv, run.dk), into)
 
 
 class _JoinedGrad:

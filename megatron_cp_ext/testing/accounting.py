@@ -7,6 +7,8 @@ counts:
   allocates exactly the outputs a flash varlen kernel returns (``out`` in the input dtype and
   an fp32 ``lse`` forward; ``dq, dk, dv`` in the input dtype backward) and is one op, so the
   reference kernel's padded batches and dense probabilities (a CPU artefact) do not count.
+  a2a's 16-bit row dot and stand-in output likewise allocate only what their csrc kernels
+  return (one op each, namespace ``mcx_fused``), not their CPU forms' widened temporaries.
   The values are zeros: use it to count, never to check results.
 * :class:`Tracker` — a dispatch mode that counts the aten ops that launch work (views and
   metadata ops excluded; the stub's kernels and collectives counted apart) and follows every
@@ -34,6 +36,19 @@ __all__ = ["flash_stub", "Tracker", "saved_bytes", "add_storage"]
 _LIB = torch.library.Library("mcx_testing", "DEF")  # noqa: TOR901 - test-only ops
 _LIB.define("stub_fwd(Tensor q, Tensor k, Tensor v) -> (Tensor, Tensor)")
 _LIB.define("stub_bwd(Tensor dout, Tensor q, Tensor k, Tensor v) -> (Tensor, Tensor, Tensor)")
+_FUSED = torch.library.Library("mcx_fused", "DEF")  # noqa: TOR901 - test-only ops
+_FUSED.define("row_dot(Tensor a, Tensor b) -> Tensor")
+_FUSED.define("stand_in(Tensor dout, Tensor delta) -> Tensor")
+
+
+@torch.library.impl(_FUSED, "row_dot", "CompositeExplicitAutograd")
+def _fused_row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a.new_zeros(a.shape[:-1], dtype=torch.float32)
+
+
+@torch.library.impl(_FUSED, "stand_in", "CompositeExplicitAutograd")
+def _fused_stand_in(dout: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(dout)
 
 
 @torch.library.impl(_LIB, "stub_fwd", "CompositeExplicitAutograd")
@@ -55,11 +70,21 @@ def _bwd(dout, q, k, v, *_args) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     return torch.ops.mcx_testing.stub_bwd(dout, q, k, v)
 
 
-def flash_stub() -> contextlib.AbstractContextManager[None]:
-    """Within the block, the ``reference`` backend's kernels are flash-shaped stubs."""
+@contextlib.contextmanager
+def flash_stub() -> Iterator[None]:
+    """Within the block, the ``reference`` backend's kernels are flash-shaped stubs, and a2a's
+    16-bit row dot and stand-in are their csrc kernels' shapes."""
+    from ..schedules import delta
     from . import reference_kernels
 
-    return reference_kernels(_fwd, _bwd)
+    before = delta._row_dot16, delta._stand_in16
+    delta._row_dot16 = torch.ops.mcx_fused.row_dot
+    delta._stand_in16 = torch.ops.mcx_fused.stand_in
+    try:
+        with reference_kernels(_fwd, _bwd):
+            yield
+    finally:
+        delta._row_dot16, delta._stand_in16 = before
 
 
 class Tracker(TorchDispatchMode):

@@ -9,6 +9,7 @@ from a seed on every rank, so no data crosses the pool's queues except results.
 from __future__ import annotations
 
 import contextlib
+import threading
 import weakref
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -158,9 +159,17 @@ def global_thd(case: AttnCase, xs: list[torch.Tensor]) -> torch.Tensor:
     return zigzag_merge(xs, 1).flatten(0, 1)
 
 
+_SCHEDULE_LOCK = threading.Lock()
+_SCHEDULE_HELD: list = []
+"""``[name, holders, saved settings]`` while some thread is inside :func:`p2p_schedule`."""
+
+
 @contextlib.contextmanager
 def p2p_schedule(name: str) -> Iterator[None]:
-    """Within the block, plans run ``p2p`` as ``name`` (:attr:`AttnCase.p2p_schedule`)."""
+    """Within the block, plans run ``p2p`` as ``name`` (:attr:`AttnCase.p2p_schedule`). The
+    settings are module globals, shared by the in-process runner's rank threads: the first
+    thread in sets them, the last one out restores them, so no rank plans under another's
+    restored settings; threads asking for different schedules at once are an error."""
     from .. import schedules
     from ..schedules import staged_moves, staged_plan
 
@@ -168,15 +177,26 @@ def p2p_schedule(name: str) -> Iterator[None]:
         yield
         return
     m = staged_moves
-    before = schedules.P2P_SCHEDULE, staged_plan.MAX_BLOCKS, m.MAX_RUNS, m.MAX_PIECES
-    schedules.P2P_SCHEDULE = name.split("-")[0]
-    staged_plan.MAX_BLOCKS = float("inf")
-    if name == "staged-index":  # every move of more than one run by index, every step packed
-        m.MAX_RUNS, m.MAX_PIECES = 1, 0
+    with _SCHEDULE_LOCK:
+        if _SCHEDULE_HELD:
+            if _SCHEDULE_HELD[0] != name:
+                raise RuntimeError(f"p2p_schedule({name!r}) while {_SCHEDULE_HELD[0]!r} is in force")
+            _SCHEDULE_HELD[1] += 1
+        else:
+            before = schedules.P2P_SCHEDULE, staged_plan.MAX_BLOCKS, m.MAX_RUNS, m.MAX_PIECES
+            _SCHEDULE_HELD[:] = [name, 1, before]
+            schedules.P2P_SCHEDULE = name.split("-")[0]
+            staged_plan.MAX_BLOCKS = float("inf")
+            if name == "staged-index":  # every move of more than one run by index, every step packed
+                m.MAX_RUNS, m.MAX_PIECES = 1, 0
     try:
         yield
     finally:
-        schedules.P2P_SCHEDULE, staged_plan.MAX_BLOCKS, m.MAX_RUNS, m.MAX_PIECES = before
+        with _SCHEDULE_LOCK:
+            _SCHEDULE_HELD[1] -= 1
+            if not _SCHEDULE_HELD[1]:
+                schedules.P2P_SCHEDULE, staged_plan.MAX_BLOCKS, m.MAX_RUNS, m.MAX_PIECES = _SCHEDULE_HELD[2]
+                _SCHEDULE_HELD.clear()
 
 
 def run_case(rank: int, world: int, case: AttnCase) -> dict[str, torch.Tensor]:

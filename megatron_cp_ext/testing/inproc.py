@@ -320,6 +320,11 @@ def run_threads(
             )  # fmt: skip
             for r in range(world_size)
         ]
+        intra = torch.get_num_threads()
+        # one intra-op thread, as each gloo pool worker has: the ranks' kernels then reduce in
+        # the same order as across processes (the runners agree to the bit) and the rank
+        # threads do not oversubscribe the cores
+        torch.set_num_threads(1)
         try:
             for t in threads:
                 t.start()
@@ -338,6 +343,7 @@ def run_threads(
                     t.join(5.0)
                 raise err
         finally:
+            torch.set_num_threads(intra)
             torch._C._distributed_c10d._set_thread_isolation_mode(False)
             _mt._uninstall_threaded_pg()
             _mt.ProcessLocalGroup.reset()

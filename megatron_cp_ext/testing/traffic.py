@@ -16,6 +16,8 @@ exact and the same on every run:
   runs (``csrc``): the partial and its lse read, the accumulator rows and their lse read and
   written, the index read; the CPU fallback's own ops are not counted; a 16-bit row dot
   (``ops.row_dot16``, a2a's backward) likewise: both operands read, the fp32 result written;
+  and a2a's 16-bit stand-in output (``ops.stand_in16``): dout and the row terms read, the
+  result written;
 * ``launches``: such ops (views, metadata ops and allocations excluded).
 
 The ideal a layer cannot avoid: forward, its q, k, v read and out and lse written; backward,
@@ -113,11 +115,12 @@ class Traffic(TorchDispatchMode):
 
 @contextlib.contextmanager
 def fused_merges(tr: Traffic) -> Iterator[None]:
-    """Within the block, the schedules' merges and 16-bit row dots (a2a's backward) count in
-    ``tr`` as the csrc kernels a GPU runs; their CPU fallbacks' own ops are not counted."""
+    """Within the block, the schedules' merges, 16-bit row dots and stand-ins (a2a's backward)
+    count in ``tr`` as the csrc kernels a GPU runs; their CPU fallbacks' own ops are not
+    counted."""
     from ..schedules import common, delta
 
-    plain, plain_dot = common.merge_partial, delta._row_dot16
+    plain, plain_dot, plain_stand = common.merge_partial, delta._row_dot16, delta._stand_in16
 
     def merge(out, lse, part, part_lse, idx, **kw):
         rows = part.shape[0]
@@ -139,11 +142,22 @@ def fused_merges(tr: Traffic) -> Iterator[None]:
         finally:
             tr.suspended -= 1
 
-    common.merge_partial, delta._row_dot16 = merge, row_dot16
+    def stand_in16(dout, dl):
+        fits = dl.dtype == torch.float32 and dl.shape == dout.shape[:-1]
+        if not (fits and dout.is_contiguous() and dl.is_contiguous()):  # where the kernel would not run
+            return None
+        tr.count("stand_in", nbytes(dout) + nbytes(dl), nbytes(dout))
+        tr.suspended += 1
+        try:
+            return delta.stand_in_torch(dout, dl)
+        finally:
+            tr.suspended -= 1
+
+    common.merge_partial, delta._row_dot16, delta._stand_in16 = merge, row_dot16, stand_in16
     try:
         yield
     finally:
-        common.merge_partial, delta._row_dot16 = plain, plain_dot
+        common.merge_partial, delta._row_dot16, delta._stand_in16 = plain, plain_dot, plain_stand
 
 
 def layer_traffic(rank: int, world: int, comm: str, lens: list[int], shape: tuple[int, int, int], dtype: str,

@@ -173,3 +173,17 @@ def test_row_dot16_falls_back_on_cpu():
     bound = (a.double() * b.double()).abs().sum(-1) * 72 * 2.0**-23
     got = row_dot(a, b)
     assert got.dtype == torch.float32 and ((got.double() - want).abs() <= bound).all()
+
+
+def test_stand_in16_falls_back_on_cpu():
+    """Off CUDA the kernel does not apply (None) and the schedules' stand-in takes its torch
+    form, whose row dot with ``dout`` gives each row's term back."""
+    from megatron_cp_ext.schedules.delta import stand_in, stand_in_torch
+
+    dout = torch.randn(50, 3, 72, generator=_gen(3)).to(torch.bfloat16)
+    delta = torch.randn(50, 3, generator=_gen(4))
+    assert ops.stand_in16(dout, delta) is None
+    x = stand_in(dout, delta)
+    assert torch.equal(x, stand_in_torch(dout, delta)) and ((x != 0).sum(-1) <= 2).all()
+    back = (dout.double() * x.double()).sum(-1)
+    assert ((back - delta.double()).abs() <= (dout.double() * x.double()).abs().sum(-1) * 2.0**-14).all()

@@ -102,14 +102,17 @@ def _peak_worker(rank, world, comm, groups=None, hkv=4):
             if schedule != "staged":
                 return t, f, b, None
             sharding = mcx.shard_sequences([0, 410, 615, 768, 870, 921, 972, 1024], world, balance="dualchunk")
-            st = schedules.build_plan(sharding, "p2p", rank, 1, MaskSpec.make(causal=True))
+            a2a = 2 if comm == "a2a+p2p" else 1
+            st = schedules.build_plan(sharding, comm, rank, a2a, MaskSpec.make(causal=True))
+            st = st.ring if comm == "a2a+p2p" else st  # its ring across the a2a groups
             sp = st.staged
             packed = sum(s.recv.n for s in st.steps if sp.pieces[s.slot].recv_packed)
             packed += sum(s.send.n for s in st.steps if sp.pieces[s.slot].send_packed)
             calls = sp.local.calls + sp.joined.calls
             gk = max((c.k_index.numel() for c in calls if c.k_index is not None), default=0)
             gq = max((c.q_index.numel() for c in calls if c.q_index is not None), default=0)
-            return t, f, b, (sp.rows, sp.received, sum(s.send.n for s in st.steps), packed, gk, gq)
+            rows = (sp.rows, sp.received, sum(s.send.n for s in st.steps), packed, gk, gq)
+            return t, f, b, rows + (st.counts[st.rank],)
     finally:
         a2a_groups.GROUPS = p2p.GROUPS = None
         p2p_plan.SPLIT_MIN_BYTES = _SPLIT_MIN_BYTES
@@ -173,9 +176,24 @@ def peak_formula(
         # place, an lse temporary
         fwd = ideal + 2 * Jk + 2 * Pk + 2 * Gk + Gq + (Q + L) + L
         # bwd: dout, dq, the own dK|dV (fp32); per group the joined K|V and packed buffers, a
-        # call's gathered rows (q, out, dout; K|V), its dq and dK|dV partials, the received
-        # rows' dK|dV going home and the sent rows' coming back
-        bwd = ideal + Q + Q + 2 * K + (Q + 4 * Jk + 2 * Pk + 2 * Gk + 3 * Gq + 2 * Rk + 2 * Sk) / G
+        # call's gathered rows (q, out, dout; K|V), its dq and dK|dV partials (over the joined
+        # rows, or over its gathered key rows: a key row two entries read is gathered twice),
+        # the received rows' dK|dV going home and the sent rows' coming back
+        bwd = ideal + Q + Q + 2 * K
+        bwd += (Q + 2 * Jk + 2 * max(Jk, Gk) + 2 * Pk + 2 * Gk + 3 * Gq + 2 * Rk + 2 * Sk) / G
+        return fwd, bwd
+    if comm == "a2a+p2p" and rows is not None:  # its ring across the groups staged
+        # the staged terms above, in a member's rows (rows[6]: its group's tokens) and heads
+        Kr, Qr = Kh / rows[6], Q / rows[6] * t / a2a / t
+        Jk, Rk, Sk, Pk, Gk = (n * Kr for n in rows[:5])
+        Gq = rows[5] * Qr
+        # fwd: head-sharded q and K|V and the output before its move home, then the staged
+        # forward's buffers
+        fwd = ideal + Q + 2 * Kh + Q + 2 * Jk + 2 * Pk + 2 * Gk + Gq + (Q + L) + L
+        # bwd: as the ring's, with the staged backward's per-group buffers in place of the
+        # ring's: its dq (placed) and a call's dq partial, then as p2p's staged
+        bwd = ideal + Q + (G > 1) * (Q + 2 * K) + 3 * Q / G + 2 * Kg + L
+        bwd += (2 * Q + 2 * Jk + 2 * max(Jk, Gk) + 2 * Pk + 2 * Gk + 3 * Gq + 2 * Rk + 2 * Sk) / G
         return fwd, bwd
     if comm == "p2p":
         # fwd: a second kernel partial (+ lse) to merge, an lse temporary, K|V receive buffers
@@ -203,7 +221,9 @@ def peak_formula(
 # most two blocks, ``staged_plan.MAX_BLOCKS``; this dualchunk batch at cp 4 is above that)
 # holds its joined K|V and, in backward, the received rows' fp32 dK|dV at once: measured
 # forward 1.79 (2.20) at cp 2, 2.58 (2.99) at cp 4; backward 3.19 (3.78), 4.76 (5.56), by two
-# head groups 3.68 (3.78) — the ring's 1.41 and 2.69 at cp 2 (docs/performance.md).
+# head groups 3.68 (3.78) — the ring's 1.41 and 2.69 at cp 2 (docs/performance.md). a2a+p2p
+# with its ring across groups staged (forced likewise), cp 4: forward 2.99 (3.38), backward
+# 5.38 (5.58), by two head groups 3.89 (4.09); its ring's figures below.
 # Measured (cp 2 and 4, 16/4 heads, d 64, fp32), the formula's bound in brackets, both as
 # multiples of the ideal: forward p2p 1.41 (1.61), a2a 1.99 (2.39), a2a+p2p 2.04 (2.99);
 # backward p2p 2.69 (2.99), p2p at cp 4 by two head groups 2.64 (2.79), a2a 2.79 (3.19), a2a by
@@ -222,8 +242,10 @@ def peak_formula(
         (4, "p2p:staged", 2, 4),
         (2, "a2a", 1, 4),
         (2, "a2a", 4, 4),
-        (4, "a2a+p2p", None, 4),
-        (4, "a2a+p2p", 2, 4),
+        (4, "a2a+p2p:ring", None, 4),
+        (4, "a2a+p2p:ring", 2, 4),
+        (4, "a2a+p2p:staged", None, 4),
+        (4, "a2a+p2p:staged", 2, 4),
         (4, "p2p:ring", 2, 4),
         (4, "a2a", 1, 2),  # replicated KV heads
     ],

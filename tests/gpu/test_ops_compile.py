@@ -83,3 +83,29 @@ def test_row_dot_kernel_against_fp64(dtype, shape):
     assert torch.equal(row_dot(a, b), got)  # the schedules' entry takes the kernel
     chunked = (a.float() * b.float()).sum(-1)
     assert ((chunked.double() - want).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(1000, 8, 128), (37, 3, 72), (5, 2, 2), (0, 4, 64), (9, 1, 33)])
+def test_stand_in_kernel_is_the_torch_form(dtype, shape):
+    """The 16-bit stand-in kernel (a2a's backward) against its torch form, to the bit: the
+    same two entries per row (ties to the lower index: rows of zeros, repeated values, a
+    signed zero; NaN above every number) and the same roundings; the row terms of rows with
+    a NaN stay NaN. The schedules' entry takes the kernel."""
+    from megatron_cp_ext.schedules.delta import stand_in, stand_in_torch
+
+    g = torch.Generator(device="cuda").manual_seed(shape[0])
+    dout = torch.randn(shape, generator=g, device="cuda").to(dtype)
+    delta = torch.randn(shape[:-1], generator=g, device="cuda") * 3
+    if shape[0] >= 5:
+        dout[0] = 0  # ties everywhere: the first two entries
+        dout[1, :, 3:] = dout[1, :, :1]  # a repeated largest value
+        dout[2] = -0.0
+        dout[3, :, 1] = float("nan")
+        delta[4] = 0
+    got = ops.stand_in16(dout, delta)
+    want = stand_in_torch(dout, delta)
+    assert got is not None and got.dtype == dtype and got.shape == dout.shape
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(stand_in(dout, delta).isnan(), want.isnan())
+    assert ops.stand_in16(dout.float(), delta) is None and ops.stand_in16(dout[..., :1], delta) is None
