@@ -68,7 +68,8 @@ def sort_kernels(spans: list[tuple[str, float]]) -> dict[str, dict[str, float]]:
 
 
 def _rank(rank: int, world: int, s: Sizes, comm: str, lens: list[int], full: list, prof_host: bool) -> dict:
-    """One rank's measured step; ``comm`` ``p2p:staged`` / ``p2p:ring`` forces how p2p runs."""
+    """One rank's measured step; ``comm`` ``p2p:staged`` / ``p2p:ring`` (``a2a+p2p:...`` too)
+    forces how the ring runs."""
 
     from megatron_cp_ext.testing.cases import p2p_schedule
 
@@ -115,10 +116,13 @@ def _top(pr: cProfile.Profile, n: int = 12) -> str:
 
 
 def kernel_breakdown(
-    s: Sizes, comms=("p2p", "p2p:staged", "p2p:ring", "all_gather", "a2a", "a2a+p2p"), cps=(8,)
+    s: Sizes,
+    comms=("p2p", "p2p:staged", "p2p:ring", "all_gather", "a2a", "a2a+p2p", "a2a+p2p:staged", "a2a+p2p:ring"),
+    cps=(8,),
 ) -> None:
     """Kernel time by category per comm type and CP size against one call over the batch;
-    ``p2p`` is the package's choice per batch, ``p2p:staged`` / ``p2p:ring`` each forced."""
+    ``p2p`` and ``a2a+p2p`` as the package chooses per batch, ``:staged`` / ``:ring`` each
+    way of running their ring forced."""
     lens, cu, q, k, v = _batch(s)
     full = [q, k, v, torch.randn_like(q)]
     cuda = s.device == "cuda"
@@ -167,9 +171,9 @@ def kernel_breakdown(
     main = ("p2p", "all_gather", "a2a", "a2a+p2p")
     line = ", ".join(f"{c} {ratios[(c, top)]:.3f}" for c in main if (c, top) in ratios)
     print(f"\nkernel time ÷ one call (transfers excluded), causal, CP {top}: {line}")
-    forced = ", ".join(f"{c[4:]} {ratios[(c, top)]:.3f}" for c in comms if ":" in c and (c, top) in ratios)
+    forced = ", ".join(f"{c} {ratios[(c, top)]:.3f}" for c in comms if ":" in c and (c, top) in ratios)
     if forced:
-        print(f"p2p by schedule, kernel time ÷ one call (transfers excluded), CP {top}: {forced}")
+        print(f"rings by schedule, kernel time ÷ one call (transfers excluded), CP {top}: {forced}")
 
 
 def route_choice(s: Sizes, cp: int = 8) -> None:

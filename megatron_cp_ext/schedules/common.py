@@ -110,7 +110,12 @@ class GradAcc:
     own block's call over all local queries, typically) becomes the accumulator instead of
     being added to zeros — one ``[t, H, D]`` buffer fewer alive. A 16-bit partial becomes it
     widened: one op instead of a zero fill and an add, the same values (``0 + x`` is ``x``;
-    only a ``-0.0`` stays ``-0.0`` instead of becoming ``+0.0``) and the same memory."""
+    only a ``-0.0`` stays ``-0.0`` instead of becoming ``+0.0``) and the same memory.
+
+    Partials over row slices are copied (widened) into rows no partial wrote yet and added
+    only where one did (the written rows are tracked as a few intervals); the rows nobody
+    wrote are zeroed at the end, or before the first indexed add. A stage whose calls cover
+    parts of a block then costs one write per row, not a zero fill, a read and a write."""
 
     def __init__(self, like: torch.Tensor, into: torch.Tensor | None = None, keep: bool = False) -> None:
         self.shape, self.dtype, self.device = like.shape, acc_dtype(like), like.device
@@ -123,21 +128,24 @@ class GradAcc:
         self._into = into
         """A caller's buffer (``like``'s shape, the accumulator dtype; a head slice of a larger
         accumulator) to accumulate into: the first partial covering every row is copied into it,
-        else it is zeroed first. Nothing is adopted then."""
+        else its rows are written as for a buffer of our own. Nothing is adopted then."""
         self._rows: dict[tuple[int, int], torch.Tensor] = {}
         """Row-slice views of ``t`` by slice: the steps add into the same few slices again."""
+        self._written: list[tuple[int, int]] | None = None
+        """While ``t`` holds rows no partial wrote: the written rows, sorted disjoint intervals."""
 
     def add(self, sl: tuple[int, int] | None, idx: torch.Tensor | None, src: torch.Tensor) -> None:
         if self.t is not None and self.t.dtype != self.dtype:  # a kept 16-bit partial gets company
             self.t, self._rows = self.t.to(self.dtype), {}
+        whole = sl == (0, self.shape[0]) and src.shape == self.shape
         if self.t is None and self._into is not None:
             self.t, self._into = self._into, None
-            if sl == (0, self.shape[0]) and src.shape == self.shape:
+            if whole:
                 self.t.copy_(src)
                 return
-            self.t.zero_()
+            self._written = []
         if self.t is None:
-            if sl == (0, self.shape[0]) and src.shape == self.shape:
+            if whole:
                 if src.dtype != self.dtype and not self.keep:
                     self.t = src.to(self.dtype, memory_format=torch.contiguous_format)
                     return
@@ -147,20 +155,68 @@ class GradAcc:
                 if src.is_contiguous():
                     self.t = src
                     return
-            self.t = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+            self.t = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+            self._written = []
         if sl is None:
+            self._fill()
             index_add_rows(self.t, idx, src)
             return
+        if self._written is not None:
+            self._write(sl, src)
+            return
+        self._view(sl).add_(src)
+
+    def _view(self, sl: tuple[int, int]) -> torch.Tensor:
         view = self._rows.get(sl)
         if view is None:
             view = self._rows[sl] = self.t[sl[0] : sl[1]]
-        view.add_(src)
+        return view
+
+    def _write(self, sl: tuple[int, int], src: torch.Tensor) -> None:
+        """``src`` into rows ``sl``: copied where no partial wrote yet, added where one did."""
+        a, b = sl
+        spans, at = [], a
+        for w0, w1 in self._written:
+            if w1 <= at or w0 >= b:
+                continue
+            if w0 > at:
+                spans.append((at, w0, False))
+            spans.append((max(at, w0), min(b, w1), True))
+            at = min(b, w1)
+        if at < b:
+            spans.append((at, b, False))
+        if len(spans) == 1:
+            view = self._view(sl)
+            view.add_(src) if spans[0][2] else view.copy_(src)
+        else:
+            for s0, s1, seen in spans:
+                part, dst = src[s0 - a : s1 - a], self.t[s0:s1]
+                dst.add_(part) if seen else dst.copy_(part)
+        merged = sorted([*self._written, (a, b)])
+        self._written = []
+        for w0, w1 in merged:
+            if self._written and w0 <= self._written[-1][1]:
+                self._written[-1] = (self._written[-1][0], max(self._written[-1][1], w1))
+            else:
+                self._written.append((w0, w1))
+
+    def _fill(self) -> None:
+        """Zero the rows no partial wrote (before an indexed add, or for the result)."""
+        if self._written is None:
+            return
+        at = 0
+        for w0, w1 in [*self._written, (self.shape[0], self.shape[0])]:
+            if w0 > at:
+                self.t[at:w0].zero_()
+            at = max(at, w1)
+        self._written = None
 
     def result(self) -> torch.Tensor:
         if self.t is None and self._into is not None:
             self.t, self._into = self._into.zero_(), None
         if self.t is None:
             self.t = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+        self._fill()
         self._rows = {}
         return self.t
 

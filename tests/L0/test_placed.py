@@ -72,3 +72,26 @@ def test_placed_grad_equals_summed():
             acc.add(None, idx, g2)
         assert torch.equal(got.result(), want.result().to(dtype)) and got.result().dtype == dtype
         assert torch.equal(PlacedGrad(like, covered=True).result(), torch.zeros_like(like))
+
+
+def test_grad_acc_slices_copy_then_add_against_a_dense_sum():
+    """``GradAcc`` over row slices (overlapping, disjoint, touching), an indexed add and an
+    ``into`` buffer against an fp64 sum into zeros: rows no partial wrote are 0, every other
+    row the sum of its partials (16-bit partials widened exactly)."""
+    g = torch.Generator().manual_seed(1)
+    like = torch.zeros(20, 2, 3, dtype=torch.bfloat16)
+    parts = [((2, 6), None), ((10, 14), None), ((4, 12), None), ((14, 16), None),
+             (None, torch.tensor([0, 5, 19])), ((3, 5), None)]  # fmt: skip
+    for into in (None, torch.full((20, 2, 3), float("nan"))):
+        acc, want = GradAcc(like, into), torch.zeros(20, 2, 3, dtype=torch.float64)
+        for k, (sl, idx) in enumerate(parts):
+            n = sl[1] - sl[0] if sl else len(idx)
+            src = torch.randn(n, 2, 3, generator=g).to(torch.bfloat16)
+            acc.add(sl, idx, src)
+            want[slice(*sl) if sl else idx] += src.double()
+            if k == 2:  # mid-way: the rows written so far are three runs joined into one
+                assert acc._written == [(2, 14)]
+        got = acc.result()
+        assert got.dtype == torch.float32 and (into is None or got.data_ptr() == into.data_ptr())
+        torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)
+        assert (got[[1, 16, 17, 18]] == 0).all()

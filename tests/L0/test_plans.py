@@ -14,7 +14,7 @@ import megatron_cp_ext as mcx
 from megatron_cp_ext import schedules
 from megatron_cp_ext.masks import MaskSpec
 from megatron_cp_ext.plan import Layout, plan_steps
-from megatron_cp_ext.schedules import a2a, all_gather, p2p, p2p_plan
+from megatron_cp_ext.schedules import a2a, all_gather, p2p, p2p_plan, staged_plan
 from megatron_cp_ext.schedules.staged_plan import STAGE_SLICES, build_staged
 from megatron_cp_ext.testing.cases import PLAN_MASKS
 from megatron_cp_ext.testing.plancheck import call_pairs, check_p2p_plans, token_ids, visible_pairs
@@ -243,3 +243,21 @@ def test_split_forward_calls_cover_the_same_pairs(mask_kw, monkeypatch):
 def _shardings_of(rng: random.Random, cp: int, lens: list[int], mask_kw: dict) -> list[mcx.CPSharding]:
     cu = [0, *np.cumsum(lens).tolist()]
     return [mcx.shard_sequences(cu, cp, b, **mask_kw) for b in mcx.BALANCES] + [_random_sharding(rng, cp, lens)]
+
+
+@pytest.mark.parametrize("mask_kw", PLAN_MASKS[:4] + PLAN_MASKS[8:10], ids=str)
+def test_a2a_p2p_staged_ring_exact_cover(mask_kw, monkeypatch):
+    """a2a+p2p's ring across the a2a groups, staged (forced past its memory bound): the plans
+    each group's members share are checked as p2p plans over the groups' token sets, pair by
+    pair, with every staged message landing in one of the same size."""
+    monkeypatch.setattr(staged_plan, "MAX_BLOCKS", float("inf"))
+    mask = MaskSpec.make(**mask_kw)
+    rng = random.Random(30 + PLAN_MASKS.index(mask_kw))
+    for cp, size in ((4, 2), (8, 2), (8, 4)):
+        for sh in _shardings(rng, cp, mask_kw):
+            groups = cp // size
+            unions = [a2a.group_union(sh, range(g * size, (g + 1) * size))[0] for g in range(groups)]
+            as_ranks = mcx.CPSharding.from_segments(sh.cu_seqlens, [[tuple(s) for s in u.tolist()] for u in unions])
+            plans = [a2a.build_plan(sh, size, g * size, mask, "staged").ring for g in range(groups)]
+            assert all(p.staged is not None for p in plans if len(p.counts) > 1)
+            check_p2p_plans(as_ranks, plans, mask)

@@ -77,17 +77,17 @@ LENS = [700, 3, 0, 250, 600, 64, 431]
 # (cp, comm): (forward ÷ ideal, backward ÷ ideal, forward launches, backward launches), the
 # largest over the ranks; 2048 tokens, 8/2 heads, d 64, bf16, workload balance
 PINNED = {
-    (2, "p2p"): (0.981, 1.559, 11, 19),  # staged (within its memory bound)
+    (2, "p2p"): (0.981, 1.208, 11, 17),  # staged (within its memory bound)
     (2, "all_gather"): (1.115, 1.551, 4, 12),
     (2, "a2a"): (2.208, 2.019, 8, 13),
-    (4, "p2p"): (0.977, 1.617, 13, 29),  # staged
+    (4, "p2p"): (0.977, 1.35, 13, 27),  # staged
     (4, "all_gather"): (0.941, 1.272, 8, 15),
     (4, "a2a"): (1.871, 2.534, 11, 26),
-    (4, "a2a+p2p"): (2.464, 2.834, 25, 43),  # its ring across groups staged
+    (4, "a2a+p2p"): (2.464, 2.615, 25, 41),  # its ring across groups staged
     (8, "p2p"): (5.462, 3.288, 8, 35),  # the ring: a rank receives more than two blocks
     (8, "all_gather"): (0.838, 1.44, 8, 15),
     (8, "a2a"): (1.81, 2.466, 15, 34),
-    (8, "a2a+p2p"): (4.259, 4.215, 14, 45),  # the ring, as p2p's
+    (8, "a2a+p2p"): (4.259, 4.088, 14, 43),  # the ring, as p2p's
 }
 
 
@@ -95,16 +95,16 @@ PINNED = {
 FORCED = {
     (2, "p2p:ring"): (3.265, 2.314, 4, 11),
     (4, "p2p:ring"): (3.952, 2.731, 6, 21),
-    (8, "p2p:staged"): (0.872, 1.676, 12, 42),
-    (4, "a2a+p2p:ring"): (3.538, 3.601, 12, 33),
-    (8, "a2a+p2p:staged"): (2.446, 2.79, 21, 59),
+    (8, "p2p:staged"): (0.872, 1.509, 12, 40),
+    (4, "a2a+p2p:ring"): (3.538, 3.601, 12, 31),
+    (8, "a2a+p2p:staged"): (2.446, 2.587, 21, 57),
 }
 
 # a2a's moves all by route (run by run into place, ``schedules/route.py``), as the rows above
 # would go on a GPU were their messages large enough
 ROUTED = {
     (8, "a2a"): (0.872, 1.801, 39, 81),
-    (4, "a2a+p2p"): (1.554, 2.324, 34, 52),
+    (4, "a2a+p2p"): (1.554, 2.105, 34, 50),
 }
 
 
