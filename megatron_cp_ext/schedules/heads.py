@@ -197,7 +197,10 @@ def from_heads(
     first elements); the result is then written into it once ``y`` is sent.
     """
     first = y[0] if isinstance(y, list) else y
-    if routed(route, group, heads * int(torch.Size(first.shape[2:]).numel()) * first.element_size(), first.device):
+    row = heads * int(torch.Size(first.shape[2:]).numel()) * first.element_size()
+    by_route = routed(route, group, row, first.device)
+    del first  # no reference beyond the caller's handed-over one: freed once sent
+    if by_route:
         ys = y if isinstance(y, list) else [y]
         del y
         bufs, views = from_group(ys, parts, me, group, route, t)
