@@ -122,36 +122,30 @@ def fused_merges(tr: Traffic) -> Iterator[None]:
 
     plain, plain_dot, plain_stand = common.merge_partial, delta._row_dot16, delta._stand_in16
 
+    def fused(name: str, read: int, written: int, fn, *args, **kw):
+        """Count one launch of ``name``, then run ``fn`` (its CPU form) uncounted."""
+        tr.count(name, read, written)
+        tr.suspended += 1
+        try:
+            return fn(*args, **kw)
+        finally:
+            tr.suspended -= 1
+
     def merge(out, lse, part, part_lse, idx, **kw):
         rows = part.shape[0]
         acc = rows * (out[0].numel() * out.element_size() + lse[0].numel() * lse.element_size()) if rows else 0
         read = nbytes(part) + nbytes(part_lse) + acc + (nbytes(idx) if idx is not None else 0)
-        tr.count("merge_partial", read, acc)
-        tr.suspended += 1
-        try:
-            plain(out, lse, part, part_lse, idx, **kw)
-        finally:
-            tr.suspended -= 1
+        fused("merge_partial", read, acc, plain, out, lse, part, part_lse, idx, **kw)
 
     def row_dot16(a, b):
-        out = a.new_empty(a.shape[:-1], dtype=torch.float32)
-        tr.count("row_dot", nbytes(a) + nbytes(b), nbytes(out))
-        tr.suspended += 1
-        try:
-            return delta.row_dot_torch(a, b)
-        finally:
-            tr.suspended -= 1
+        out = a.shape[:-1].numel() * 4  # the fp32 result
+        return fused("row_dot", nbytes(a) + nbytes(b), out, delta.row_dot_torch, a, b)
 
     def stand_in16(dout, dl):
         fits = dl.dtype == torch.float32 and dl.shape == dout.shape[:-1]
         if not (fits and dout.is_contiguous() and dl.is_contiguous()):  # where the kernel would not run
             return None
-        tr.count("stand_in", nbytes(dout) + nbytes(dl), nbytes(dout))
-        tr.suspended += 1
-        try:
-            return delta.stand_in_torch(dout, dl)
-        finally:
-            tr.suspended -= 1
+        return fused("stand_in", nbytes(dout) + nbytes(dl), nbytes(dout), delta.stand_in_torch, dout, dl)
 
     common.merge_partial, delta._row_dot16, delta._stand_in16 = merge, row_dot16, stand_in16
     try:
