@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 import megatron_cp_ext as mcx
-from megatron_cp_ext.batches import cu_seqlens, lognormal, long_short
+from megatron_cp_ext.sharding.batches import cu_seqlens, lognormal, long_short
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import balance_family  # noqa: E402 - the family benchmark next to this file

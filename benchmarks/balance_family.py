@@ -11,7 +11,7 @@ sharded by ``workload`` and ``dualchunk`` under every mask and planned for p2p t
 * ``tok``: largest per-rank tokens over the mean; ``spread`` largest minus smallest;
 * ``work``: largest per-rank attention work over the mean, and ``work-dual`` workload's minus
   dualchunk's on the same batch (> 0: workload is less balanced; the goal allows
-  ``balance_pick.WORK_SLACK``, one token's share of work on ranks of a few hundred tokens);
+  ``balance.pick.WORK_SLACK``, one token's share of work on ranks of a few hundred tokens);
 * ``tiles``: useful score entries over the tile area the kernels visit, and ``tiles/1`` the same
   over that of the batch unsharded (documents too short for full tiles bound both);
 * ``sent/need``, ``gathered`` (largest rank), ``plan ms`` (slowest rank's plan build, as
@@ -28,9 +28,9 @@ import numpy as np
 import torch
 
 import megatron_cp_ext as mcx
-from megatron_cp_ext.balance_pick import WORK_SLACK
-from megatron_cp_ext.batches import cu_seqlens, lognormal
-from megatron_cp_ext.workload import _work
+from megatron_cp_ext.balance.pick import WORK_SLACK
+from megatron_cp_ext.balance.workload import _work
+from megatron_cp_ext.sharding.batches import cu_seqlens, lognormal
 
 MASKS = {
     "causal": dict(causal=True),

@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 
 import megatron_cp_ext as mcx
-from megatron_cp_ext import agreement
-from megatron_cp_ext.groups import ranks_crc
+from megatron_cp_ext.runtime import agreement
+from megatron_cp_ext.runtime.groups import ranks_crc
 from megatron_cp_ext.testing.spawn import bench_main
 
 COMMS = [("p2p", 0), ("all_gather", 0), ("a2a", 0), ("a2a+p2p", 2)]

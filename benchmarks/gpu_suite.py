@@ -61,7 +61,7 @@ def step_env(dry: bool) -> None:
 
     import torch
 
-    from megatron_cp_ext import ops
+    from megatron_cp_ext.runtime import ops
 
     cuda = torch.cuda.is_available()
     print(f"python {sys.version.split()[0]}; torch {torch.__version__}; CUDA {torch.version.cuda}; "
@@ -132,9 +132,9 @@ def step_build(dry: bool) -> None:
     dest = ROOT / "megatron_cp_ext" / ("_C" + sysconfig.get_config_var("EXT_SUFFIX"))
     shutil.copy(built, dest)
     print(f"built in {time.perf_counter() - t0:.0f} s -> {dest}")
-    check = subprocess.run([sys.executable, "-c", "from megatron_cp_ext import ops; print(ops.HAS_CUDA_EXT)"],
+    check = subprocess.run([sys.executable, "-c", "from megatron_cp_ext.runtime import ops; print(ops.HAS_CUDA_EXT)"],
                            cwd=ROOT, capture_output=True, text=True)  # fmt: skip
-    print(f"megatron_cp_ext.ops.HAS_CUDA_EXT in a fresh process: {check.stdout.strip()} {check.stderr[-500:]}")
+    print(f"megatron_cp_ext.runtime.ops.HAS_CUDA_EXT in a fresh process: {check.stdout.strip()} {check.stderr[-500:]}")
 
 
 def run_tests(out: Path, budget: float, dry: bool) -> tuple[int, str]:

@@ -3,7 +3,7 @@
 1. ``auto``: CPU ms (``time.process_time``: numpy runs single-threaded here, so on an idle host
    this is the wall time, and it does not count other processes' load) of one
    ``choose_comm_type`` (cache cleared) on lognormal batches
-   (``megatron_cp_ext.batches.lognormal``), median and worst over seeds and masks (causal,
+   (``megatron_cp_ext.sharding.batches.lognormal``), median and worst over seeds and masks (causal,
    window 4096, chunk 8192), all four candidates (a2a+p2p with a2a groups of 2). Every rank pays
    this once per micro-batch. ``--full`` also times the full model (every rank's exact plan per
    candidate: the path before the shared-geometry estimate) and counts how often the two pick
@@ -35,10 +35,10 @@ import torch.distributed as dist
 from torch.testing._internal.distributed import multi_threaded_pg as _mt
 
 import megatron_cp_ext as mcx
-from megatron_cp_ext import batches
 from megatron_cp_ext.masks import MaskSpec
 from megatron_cp_ext.planner import auto
 from megatron_cp_ext.planner.profiles import load_profile
+from megatron_cp_ext.sharding import batches
 from megatron_cp_ext.testing import inproc
 from megatron_cp_ext.testing.accounting import flash_stub
 from megatron_cp_ext.testing.inproc import run_threads

@@ -17,7 +17,7 @@ the same for p2p's backward (``p2p.head_groups``).
     python benchmarks/memory_launches.py --world-size 4 --tokens 8192
     python benchmarks/memory_launches.py --world-size 8 --tokens 512 --host-ms
 
-``--seed S [--median M]`` takes a lognormal batch (``megatron_cp_ext.batches``) instead of
+``--seed S [--median M]`` takes a lognormal batch (``megatron_cp_ext.sharding.batches``) instead of
 the fixed one, to check a figure on batches it was not measured on.
 
 ``--breakdown`` also prints, for the worst rank of each comm type, every storage alive at the
@@ -36,8 +36,8 @@ import torch
 import torch.distributed as dist
 
 import megatron_cp_ext as mcx
-from megatron_cp_ext import batches
 from megatron_cp_ext.schedules import a2a_groups, p2p
+from megatron_cp_ext.sharding import batches
 from megatron_cp_ext.testing.accounting import Tracker, add_storage, flash_stub, saved_bytes
 from megatron_cp_ext.testing.spawn import spawn_ranks
 

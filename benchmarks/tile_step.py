@@ -2,8 +2,8 @@
 
     python benchmarks/tile_step.py [--count N] [--seed S] [--step tile|reference] [--long] [--masks M,...]
 
-``--step tile`` (default): the exact tile step (``balance_pick.TILE_STEP``); ``--step
-reference``: the reference step (``balance_pick.PATH_STEP``: the contiguous or dual-chunk split
+``--step tile`` (default): the exact tile step (``balance.pick.TILE_STEP``); ``--step
+reference``: the reference step (``balance.pick.PATH_STEP``: the contiguous or dual-chunk split
 where it is shorter on every count of the critical path). On the batches of
 ``balance_family.py`` (same family for the same seed and count; ``--long``: a family of one to
 three long documents instead, totals 16K-1M, the batches the reference step is for) under its
@@ -14,7 +14,7 @@ dual-chunk's; on how many batches the pick changed, the largest rank's exact til
 or the goal was newly met or newly missed; for the changed ones the largest rank's tile area,
 ring steps and rows sent after over before (median / worst); and the median and worst
 ``shard_sequences`` CPU time (each the smaller of two runs above ``RECHECK_MS``, as
-``balance_family.py`` measures). Counts are :func:`megatron_cp_ext.tile_pick.rank_paths`,
+``balance_family.py`` measures). Counts are :func:`megatron_cp_ext.balance.tile_pick.rank_paths`,
 which equal ``inspect_plan``'s. ``--predict`` also prints, over the changed batches, the
 cost model's p2p layer time (forward + backward) with the step over without it, for three head
 shapes and with CP ranks over NVLink or all over InfiniBand (``mcx-plan``'s H100 profile).
@@ -32,13 +32,13 @@ import torch
 from balance_family import MASKS, _shard, family, mask_kw
 
 import megatron_cp_ext as mcx
-from megatron_cp_ext import balance_pick
-from megatron_cp_ext.balance_pick import rank_work
-from megatron_cp_ext.batches import cu_seqlens
+from megatron_cp_ext.balance import pick as balance_pick
+from megatron_cp_ext.balance.pick import rank_work
+from megatron_cp_ext.balance.tile_pick import GOAL, GOAL_OF_ONE, rank_paths
 from megatron_cp_ext.masks import MaskSpec
 from megatron_cp_ext.planner.cost import predict
 from megatron_cp_ext.planner.profiles import load_profile
-from megatron_cp_ext.tile_pick import GOAL, GOAL_OF_ONE, rank_paths
+from megatron_cp_ext.sharding.batches import cu_seqlens
 
 BANDS = ((0, 1024), (1024, 4096), (4096, float("inf")))
 SIDES = ("off", "on")

@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from megatron_cp_ext import batches  # noqa: E402
+from megatron_cp_ext.sharding import batches  # noqa: E402
 from megatron_cp_ext.testing.pool import run_on_ranks  # noqa: E402
 from megatron_cp_ext.testing.traffic import layer_traffic  # noqa: E402
 

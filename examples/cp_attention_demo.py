@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import megatron_cp_ext as mcx
-from megatron_cp_ext.comm import all_gather_padded
+from megatron_cp_ext.runtime.comm import all_gather_padded
 from megatron_cp_ext.testing.reference import dense_attention
 from megatron_cp_ext.testing.spawn import spawn_ranks
 

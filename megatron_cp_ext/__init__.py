@@ -8,16 +8,16 @@ Bad input raises :class:`CPArgumentError` (a ``ValueError``), the same on every 
 (``docs/reliability.md``).
 """
 
-from . import batches, planner  # planner: installs comm_type="auto"'s chooser
+from . import planner  # planner: installs comm_type="auto"'s chooser
 from .attention import COMM_TYPES, QKV_FORMATS, cp_attention
-from .groups import HierarchicalCPGroups, hierarchical_cp_groups
 from .inspect import CallReport, PlanReport, RankReport, inspect_plan
-from .mask_names import mask_flags as mask_flags
 from .masks import MaskSpec
+from .masks.names import mask_flags as mask_flags
 from .prepared import PreparedCPAttention, plan_cp_attention
-from .sharding import BALANCES, CPSharding, Segment, rank_counts, shard_sequences
-from .te_layout import te_thd_sharding
-from .validation import CPArgumentError, CPArgumentTypeError, CPRankMismatchError
+from .runtime.groups import HierarchicalCPGroups, hierarchical_cp_groups
+from .runtime.validation import CPArgumentError, CPArgumentTypeError, CPRankMismatchError
+from .sharding import BALANCES, CPSharding, Segment, batches, rank_counts, shard_sequences
+from .sharding.te_layout import te_thd_sharding
 
 __all__ = [
     "cp_attention",

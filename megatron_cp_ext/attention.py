@@ -22,18 +22,12 @@ from types import ModuleType
 import torch
 import torch.distributed as dist
 
-from . import agreement as agr
 from .backends import BACKENDS, get_backend
 from .backends import backend_name as resolved_name
-from .groups import CPGroups, GroupInfo, cp_groups, ranks_crc
 from .masks import MaskSpec
-from .schedules import a2a, build_plan, prepare_plan, schedule_of
-from .schedules.common import Run, apply_sink, sink_grad
-from .schedules.delta import row_dot
-from .schedules.max_logit import new_max_logit, reduce_max_logit
-from .seq_layout import fixed_length_sharding, rows_to_thd, seq_to_thd, thd_to_seq
-from .sharding import CPSharding
-from .validation import (
+from .runtime import agreement as agr
+from .runtime.groups import CPGroups, GroupInfo, cp_groups, ranks_crc
+from .runtime.validation import (
     DTYPES,
     CPArgumentError,
     CPArgumentTypeError,
@@ -47,6 +41,12 @@ from .validation import (
     check_offset,
     check_qkv,
 )
+from .schedules import a2a, build_plan, prepare_plan, schedule_of
+from .schedules.common import Run, apply_sink, sink_grad
+from .schedules.delta import row_dot
+from .schedules.max_logit import new_max_logit, reduce_max_logit
+from .sharding import CPSharding
+from .sharding.seq_layout import fixed_length_sharding, rows_to_thd, seq_to_thd, thd_to_seq
 
 __all__ = ["cp_attention", "COMM_TYPES", "QKV_FORMATS"]
 

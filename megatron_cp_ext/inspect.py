@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .geometry import BIG, band_count, tile_area
 from .masks import MaskSpec
+from .masks.geometry import BIG, band_count, tile_area
 from .plan import Layout, StepPlan, visible_rows
 from .schedules import build_plan
 from .schedules.a2a import A2APlan

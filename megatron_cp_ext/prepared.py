@@ -22,11 +22,11 @@ import torch
 import torch.distributed as dist
 
 from . import attention as att
+from .runtime.validation import CPArgumentError, as_bool
 from .schedules import a2a, prepare_plan, schedule_of
 from .schedules.common import Run
 from .schedules.p2p import P2PPlan
-from .seq_layout import rows_to_thd, seq_to_thd, thd_to_seq
-from .validation import CPArgumentError, as_bool
+from .sharding.seq_layout import rows_to_thd, seq_to_thd, thd_to_seq
 
 __all__ = ["PreparedCPAttention", "plan_cp_attention"]
 

@@ -1,5 +1,5 @@
 """Suite-wide options: the length of the seeded fuzz run (``tests/L1/test_fuzz.py``); every test
-starts with no recorded data split (``megatron_cp_ext.splits``): tests are independent runs."""
+starts with no recorded data split (``megatron_cp_ext.sharding.splits``): tests are independent runs."""
 
 import pytest
 
@@ -26,7 +26,7 @@ def pytest_generate_tests(metafunc):
 
 @pytest.fixture(autouse=True)
 def _fresh_split_record():
-    from megatron_cp_ext import splits
+    from megatron_cp_ext.sharding import splits
 
     splits.clear()
     yield

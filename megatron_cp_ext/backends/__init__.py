@@ -15,7 +15,7 @@ from types import ModuleType
 
 import torch
 
-from ..validation import CPArgumentError, as_choice
+from ..runtime.validation import CPArgumentError, as_choice
 from . import reference
 
 __all__ = ["BACKENDS", "get_backend", "backend_name"]

@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 from megatron.core.packed_seq_params import PackedSeqParams
 
+from ..runtime.validation import CPArgumentError, CPArgumentTypeError, as_int
 from ..sharding import CPSharding
-from ..validation import CPArgumentError, CPArgumentTypeError, as_int
 from .context import (
     CONTEXT_ATTR,
     LAYOUTS,

@@ -19,10 +19,9 @@ from typing import Any
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from .. import splits
-from ..sharding import BALANCES, CPSharding, check_cu_seqlens, shard_sequences
-from ..te_layout import TE_LAYOUT, separate_padding, te_thd_sharding
-from ..validation import CPArgumentError
+from ..runtime.validation import CPArgumentError
+from ..sharding import BALANCES, CPSharding, check_cu_seqlens, shard_sequences, splits
+from ..sharding.te_layout import TE_LAYOUT, separate_padding, te_thd_sharding
 
 __all__ = [
     "LAYOUTS",
@@ -83,12 +82,12 @@ class CPBatchContext:
     """Their version counters then: an in-place refill bumps one, without a device sync."""
     layout: CPSharding | None = None
     """The split over ``cu_seqlens`` (or the padded ones) before padding became sequences of its
-    own: what the data's recorded split is compared with (:mod:`megatron_cp_ext.splits`);
+    own: what the data's recorded split is compared with (:mod:`megatron_cp_ext.sharding.splits`);
     ``None``: :attr:`sharding`."""
     made_by: str = "carried by the PackedSeqParams (make_packed_seq_params / shard_batch_for_cp)"
     """Where the split comes from, for messages."""
     split_gen: int = -1
-    """:func:`megatron_cp_ext.splits.generation` when last checked against the data's split."""
+    """:func:`megatron_cp_ext.sharding.splits.generation` when last checked against the data's split."""
     _positions: dict = field(default_factory=dict, repr=False)
 
     def positions(self, device: torch.device | str) -> torch.Tensor:

@@ -28,8 +28,8 @@ from megatron.core.transformer.utils import is_layer_window_attention
 
 from .. import COMM_TYPES, cp_attention
 from ..backends import BACKENDS
-from ..groups import HierarchicalCPGroups
-from ..validation import CPArgumentError, as_bool, as_choice, as_chunk, as_window
+from ..runtime.groups import HierarchicalCPGroups
+from ..runtime.validation import CPArgumentError, as_bool, as_choice, as_chunk, as_window
 from .context import LAYOUTS, CPBatchContext, check_token_multiple, cp_context
 from .qk_clip import record_max_logit, wants_max_logits
 from .sinks import install_softmax_offset, offset_sharded_state_dict

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..validation import CPArgumentError
+from ..runtime.validation import CPArgumentError
 
 __all__ = ["call_group"]
 

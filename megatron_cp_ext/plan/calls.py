@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..geometry import BIG, band_blocks, bounds, chunk_units
 from ..masks import MaskSpec
+from ..masks.geometry import BIG, band_blocks, bounds, chunk_units
 from .levels import interval_levels
 
 __all__ = ["Layout", "VarlenCall", "StepPlan", "plan_steps", "visible_rows", "merge_ranges", "MAX_SLICE_CALLS"]

@@ -22,9 +22,9 @@ import os
 import torch
 
 from .. import attention, schedules
-from ..groups import CPGroups, cp_groups
 from ..inspect import inspect_plan
 from ..masks import MaskSpec
+from ..runtime.groups import CPGroups, cp_groups
 from ..sharding import CPSharding
 from .cost import predict
 from .estimate import estimate_times

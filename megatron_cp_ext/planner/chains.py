@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..geometry import BIG, TILE
+from ..masks.geometry import BIG, TILE
 from ..plan.calls import _Pieces
 
 __all__ = ["Chains", "cat_pieces", "expand", "merge_chains", "member_area"]

@@ -16,9 +16,8 @@ import sys
 import numpy as np
 import torch
 
-from .. import batches
 from ..inspect import COMM_TYPES, inspect_plan
-from ..sharding import shard_sequences
+from ..sharding import batches, shard_sequences
 from .cost import LinearShape, predict
 from .profiles import PROFILES, HardwareProfile, load_profile
 from .rows import Row

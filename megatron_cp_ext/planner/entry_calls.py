@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..geometry import BIG, TILE, tile_area
+from ..masks.geometry import BIG, TILE, tile_area
 from ..plan.calls import MAX_SLICE_CALLS, one_row_causal
 from ..plan.levels import interval_levels
 from .chains import expand

@@ -38,8 +38,8 @@ import functools
 import numpy as np
 
 from .. import schedules
-from ..geometry import BIG, bounds
 from ..masks import MaskSpec
+from ..masks.geometry import BIG, bounds
 from ..plan.calls import Layout, _join, _Pieces, _pieces, merge_ranges
 from ..schedules.heads import a2a_bytes, split_heads
 from ..schedules.staged_plan import staged_fits

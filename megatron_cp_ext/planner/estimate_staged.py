@@ -7,8 +7,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..geometry import bounds
 from ..masks import MaskSpec
+from ..masks.geometry import bounds
 from ..plan.calls import Layout, _join, _pieces, merge_ranges
 from .profiles import HardwareProfile
 

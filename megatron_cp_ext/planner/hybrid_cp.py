@@ -18,9 +18,8 @@ import types
 from dataclasses import dataclass
 from functools import cache
 
-from .. import batches
 from ..inspect import inspect_plan
-from ..sharding import shard_sequences
+from ..sharding import batches, shard_sequences
 from .cost import predict
 from .profiles import HardwareProfile
 

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from ..masks import MaskSpec
-from ..ops import LSE_FLOOR
+from ..runtime.ops import LSE_FLOOR
 from ..sharding import CPSharding
 from . import a2a_groups, p2p, staged
 from .common import KV, GradAcc, OutAcc, Run, acc_dtype, apply_sink, new_accumulators, step_forward, take

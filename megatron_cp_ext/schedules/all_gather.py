@@ -1,7 +1,7 @@
 """``all_gather``: gather every rank's KV once, attend, reduce-scatter dK/dV.
 
 Blocks are padded to the largest per-rank count for the collective. Of the gathered rows,
-one gather (:func:`megatron_cp_ext.ops.gather_rows`) keeps exactly the keys this rank's
+one gather (:func:`megatron_cp_ext.runtime.ops.gather_rows`) keeps exactly the keys this rank's
 queries see, in document order: each document's visible keys are then contiguous, so the
 plan covers the rank's queries in one or two varlen calls instead of one per source block.
 Each query row is then in one call, so the calls' outputs and dq are copied into place
@@ -21,10 +21,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..comm import all_gather_padded, reduce_scatter_padded
 from ..masks import MaskSpec
-from ..ops import gather_rows
 from ..plan import Layout, StepPlan, plan_steps, visible_rows
+from ..runtime.comm import all_gather_padded, reduce_scatter_padded
+from ..runtime.ops import gather_rows
 from .common import KV, GradAcc, OutAcc, Run, acc_dtype, pack_kv, step_backward, step_forward
 from .placed import KeptRows, PlacedGrad, PlacedOut, placement
 

@@ -18,8 +18,8 @@ from typing import NamedTuple
 
 import torch
 
-from ..ops import LSE_FLOOR, gather_rows, index_add_rows, merge_partial
 from ..plan import VarlenCall
+from ..runtime.ops import LSE_FLOOR, gather_rows, index_add_rows, merge_partial
 
 __all__ = [
     "Run",

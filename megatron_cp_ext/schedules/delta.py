@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ops import row_dot16, stand_in16
+from ..runtime.ops import row_dot16, stand_in16
 
 __all__ = ["row_dot", "row_dot_torch", "stand_in", "stand_in_torch"]
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..groups import CPGroups
+from ..runtime.groups import CPGroups
 
 __all__ = ["new_max_logit", "reduce_max_logit"]
 

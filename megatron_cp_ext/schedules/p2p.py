@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..comm import Message, Peers
-from ..ops import gather_rows
 from ..plan import VarlenCall
+from ..runtime.comm import Message, Peers
+from ..runtime.ops import gather_rows
 from .a2a_groups import RING_MIN_GROUP_BYTES
 from .common import KV, GradAcc, OutAcc, Run, acc_dtype, add_rows, step_backward, step_forward
 from .p2p_plan import P2PPlan, Rows, Step, build_plan, plan_narrow, use_split

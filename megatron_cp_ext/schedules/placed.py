@@ -12,8 +12,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..ops import LSE_FLOOR
 from ..plan import VarlenCall
+from ..runtime.ops import LSE_FLOOR
 from .common import new_accumulators
 
 __all__ = ["PlacedOut", "PlacedGrad", "KeptRows", "placement"]

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..comm import Message, Peers
+from ..runtime.comm import Message, Peers
 
 __all__ = ["Route", "routed", "worth", "to_group", "from_group", "MIN_BYTES", "CPU_MIN_BYTES"]
 

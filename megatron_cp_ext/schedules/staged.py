@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from ..comm import Message, Peers
-from ..ops import gather_rows, index_add_rows
+from ..runtime.comm import Message, Peers
+from ..runtime.ops import gather_rows, index_add_rows
 from .common import KV, GradAcc, OutAcc, Run, acc_dtype, add_rows, step_backward, step_forward
 from .p2p import _buffer, _dense, _kv_rows, head_groups
 from .p2p import _land as _land_home

@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..geometry import BIG, bounds, chunk_units
 from ..masks import MaskSpec
+from ..masks.geometry import BIG, bounds, chunk_units
 from ..plan import Layout, StepPlan, plan_steps, visible_rows
 from ..plan.calls import _join, _pieces, merge_ranges
 from . import staged_moves

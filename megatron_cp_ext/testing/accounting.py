@@ -169,7 +169,7 @@ class Tracker(TorchDispatchMode):
 
 
 _PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_SKIP = (os.path.join(_PKG, "testing"), os.path.join(_PKG, "ops.py"))
+_SKIP = (os.path.join(_PKG, "testing"), os.path.join(_PKG, "runtime", "ops.py"))
 
 
 def _caller() -> str:

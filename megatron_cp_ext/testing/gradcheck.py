@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 import megatron_cp_ext as mcx
 
-from ..comm import all_gather_padded
+from ..runtime.comm import all_gather_padded
 from .cases import AttnCase, cp_group_for, p2p_schedule
 
 __all__ = ["gradcheck_on_ranks"]

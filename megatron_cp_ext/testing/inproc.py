@@ -303,7 +303,7 @@ def run_threads(
         if device.type == "cuda" and device.index is None:  # a new thread starts on GPU 0
             device = torch.device("cuda", torch.cuda.current_device())
     with _RUN_LOCK:
-        from .. import splits
+        from ..sharding import splits
 
         splits.clear()  # the run splits its own data (the ranks share this process's record)
         _mt._install_threaded_pg()

@@ -55,7 +55,7 @@ def _worker(rank: int, world_size: int, port: int, path: list[str], tasks, resul
             break
         fn, args = task
         try:
-            from megatron_cp_ext import splits
+            from megatron_cp_ext.sharding import splits
 
             splits.clear()  # each task splits its own data: none of an earlier task's splits is its own
             results.put((rank, True, fn(rank, world_size, *args)))

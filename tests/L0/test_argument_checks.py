@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import megatron_cp_ext as mcx
+from megatron_cp_ext.runtime.validation import CPArgumentError as VE
+from megatron_cp_ext.runtime.validation import CPArgumentTypeError as TE
+from megatron_cp_ext.runtime.validation import as_int, as_scale
 from megatron_cp_ext.sharding import check_cu_seqlens
-from megatron_cp_ext.validation import CPArgumentError as VE
-from megatron_cp_ext.validation import CPArgumentTypeError as TE
-from megatron_cp_ext.validation import as_int, as_scale
 
 CU = [0, 5, 5, 12]
 

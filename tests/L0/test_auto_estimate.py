@@ -8,11 +8,12 @@ import pytest
 import torch
 
 import megatron_cp_ext as mcx
-from megatron_cp_ext import batches, schedules
+from megatron_cp_ext import schedules
 from megatron_cp_ext.masks import MaskSpec
 from megatron_cp_ext.planner import auto, chains, estimate
 from megatron_cp_ext.planner.profiles import load_profile
 from megatron_cp_ext.schedules import staged_plan
+from megatron_cp_ext.sharding import batches
 
 CANDIDATES = ("a2a+p2p", "p2p", "all_gather", "a2a")
 MASKS = [dict(causal=True), dict(causal=False), dict(causal=True, window_size=(700, 0)),

@@ -140,7 +140,7 @@ def test_pip_install_editable_on_cpu_builds_nothing(tmp_path: Path) -> None:
     proc = _pip_install(venv)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "not building the CUDA extension" in proc.stdout + proc.stderr
-    probe = "import megatron_cp_ext, megatron_cp_ext.ops as o; print(megatron_cp_ext.__file__, o.HAS_CUDA_EXT)"
+    probe = "import megatron_cp_ext, megatron_cp_ext.runtime.ops as o; print(megatron_cp_ext.__file__, o.HAS_CUDA_EXT)"
     out = subprocess.run(
         [str(venv / "bin" / "python"), "-c", probe], cwd=tmp_path, capture_output=True, text=True, check=True
     ).stdout.split()

@@ -11,8 +11,8 @@ import torch
 
 import megatron_cp_ext as mcx
 from megatron_cp_ext import schedules
-from megatron_cp_ext.batches import cu_seqlens, lognormal
 from megatron_cp_ext.schedules import staged_plan
+from megatron_cp_ext.sharding.batches import cu_seqlens, lognormal
 
 MASKS = {
     "causal": dict(causal=True),
@@ -204,7 +204,7 @@ def test_workload_balances_bidirectional_windows():
 )  # fmt: skip
 def test_workload_as_balanced_as_dualchunk_on_large_batches_of_long_documents(lens, cp, causal):
     """Above the search's token count batches of up to a few hundred documents still get the
-    candidate search (``balance_pick.SEARCH_PIECES``): one pass's tile-aligned cuts left these
+    candidate search (``balance.pick.SEARCH_PIECES``): one pass's tile-aligned cuts left these
     0.0006-0.0015 above dual-chunk's work (the last: 363 documents of about 1.5K tokens)."""
     cu, mask = cu_seqlens(lens), dict(causal=causal)
     per_query = _query_work(lens, mask)

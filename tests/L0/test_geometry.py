@@ -7,8 +7,8 @@ import random
 import numpy as np
 import pytest
 
-from megatron_cp_ext.geometry import BIG, TILE, band_blocks, band_count, bounds, chunk_units, tile_area
 from megatron_cp_ext.masks import MaskSpec, flash_visible, visible_blocks
+from megatron_cp_ext.masks.geometry import BIG, TILE, band_blocks, band_count, bounds, chunk_units, tile_area
 from megatron_cp_ext.testing.cases import PLAN_MASKS
 
 

@@ -1,7 +1,9 @@
-"""Imports run one way (design §2): no import cycles among the package's modules, and no import
-runs back up the layers — the runtime (sharding, masks, ``plan/``, schedules, attention, ...)
-never imports ``inspect`` or anything above it, ``inspect`` never imports the planning tools, the
-tools never import the Megatron/NeMo integrations or the test helpers.
+"""Imports run one way (design §2), and the folders show the layers: no import cycles among the
+package's modules, and no import runs back up — ``runtime/`` (checks, groups, comm, ops) under
+``masks/``, under ``plan/``, under ``balance/``, under ``sharding/``, under ``backends/`` and
+``schedules/``, under ``attention``; then ``inspect``, the planning tools, the public facade, the
+Megatron/NeMo/Bridge integrations and the test helpers. Every module sits in a ranked folder or
+is one of the few named root modules, so a new file cannot slip in unranked.
 
 The graph is read from the source with ``ast`` (nothing is imported), counting imports at module
 level, inside functions and under ``TYPE_CHECKING`` alike: a lazy import is still an arrow.
@@ -17,17 +19,29 @@ import megatron_cp_ext
 PKG = "megatron_cp_ext"
 
 LAYERS = (
-    ("inspect", 1),
-    ("planner", 2),
-    ("", 3),  # the package's __init__: the public facade, which also installs the planner's auto chooser
-    ("megatron", 4),
-    ("recipe_checks", 4),
-    ("bridge", 5),
-    ("nemo", 6),
-    ("testing", 7),
+    ("runtime", 0),  # validation, groups, comm, inflight, agreement, ops
+    ("masks", 1),  # mask spec and blocks, Megatron's mask names, vectorised mask geometry
+    ("plan", 2),  # the per-step varlen calls
+    ("balance", 3),  # the workload cut and its candidate scoring
+    ("sharding", 4),  # CPSharding, shard_sequences, layouts (TE's, bshd/sbhd), the split record
+    ("backends", 5),
+    ("schedules", 5),
+    ("attention", 6),
+    ("prepared", 6),
+    ("inspect", 7),
+    ("planner", 8),
+    ("", 9),  # the package's __init__: the public facade, which also installs the planner's auto chooser
+    ("megatron", 10),
+    ("recipe_checks", 10),
+    ("bridge", 11),
+    ("nemo", 12),
+    ("testing", 13),
 )
-"""Rank of a module by its path under the package (exact name or subpackage); every other module
-is runtime, rank 0. An import may only go to the same rank or lower."""
+"""Rank of a module by its path under the package (exact name or folder). An import may only go
+to the same rank or lower; a module under no entry is an error (:func:`test_every_module_is_ranked`)."""
+
+ROOT_MODULES_MAX = 8
+"""Modules directly in ``megatron_cp_ext/`` (``__init__`` included): the rest live in folders."""
 
 
 def modules(root: Path) -> dict[str, Path]:
@@ -115,16 +129,21 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def rank(mod: str) -> int:
+def rank(mod: str) -> int | None:
     rel = mod[len(PKG) + 1 :] if mod != PKG else ""
     for prefix, r in LAYERS:
         if rel == prefix or (prefix and rel.startswith(prefix + ".")):
             return r
-    return 0
+    return None
 
 
 def back_arrows(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
-    return sorted((a, b) for a, targets in graph.items() for b in targets if rank(b) > rank(a))
+    ranked = [(a, b) for a, targets in graph.items() for b in targets if None not in (rank(a), rank(b))]
+    return sorted((a, b) for a, b in ranked if rank(b) > rank(a))
+
+
+def unranked(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(m for m in graph if rank(m) is None)
 
 
 ROOT = Path(megatron_cp_ext.__file__).parent
@@ -140,8 +159,21 @@ def test_no_import_cycles():
     assert cycles(import_graph(ROOT)) == []
 
 
+def test_every_module_is_ranked():
+    assert unranked(import_graph(ROOT)) == []
+
+
 def test_no_import_runs_back_up():
     assert back_arrows(import_graph(ROOT)) == []
+
+
+def test_root_holds_few_modules():
+    """The folders carry the layers: only the facade, the entry points above the schedules and
+    the recipe overrides stay at the root."""
+    root = sorted(p.name for p in ROOT.glob("*.py"))
+    assert len(root) <= ROOT_MODULES_MAX, root
+    folders = {p.name for p in ROOT.iterdir() if (p / "__init__.py").exists()}
+    assert folders == {prefix for prefix, _ in LAYERS if prefix and (ROOT / prefix).is_dir()}, folders
 
 
 def test_the_checks_can_fail():
@@ -150,5 +182,13 @@ def test_the_checks_can_fail():
     graph = {f"{PKG}.bridge": {f"{PKG}.nemo"}, f"{PKG}.nemo": {f"{PKG}.bridge"}, f"{PKG}.attention": set()}
     graph[f"{PKG}.attention"].add(f"{PKG}.planner.auto")
     graph[f"{PKG}.planner.auto"] = set()
+    graph[f"{PKG}.runtime.ops"] = {f"{PKG}.masks.geometry"}  # a folder reaching up a layer
+    graph[f"{PKG}.masks.geometry"] = set()
+    graph[f"{PKG}.helpers"] = set()  # a new root module no layer names
     assert cycles(graph) == [[f"{PKG}.bridge", f"{PKG}.nemo"]]
-    assert back_arrows(graph) == [(f"{PKG}.attention", f"{PKG}.planner.auto"), (f"{PKG}.bridge", f"{PKG}.nemo")]
+    assert back_arrows(graph) == [
+        (f"{PKG}.attention", f"{PKG}.planner.auto"),
+        (f"{PKG}.bridge", f"{PKG}.nemo"),
+        (f"{PKG}.runtime.ops", f"{PKG}.masks.geometry"),
+    ]
+    assert unranked(graph) == [f"{PKG}.helpers"]

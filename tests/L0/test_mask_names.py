@@ -5,7 +5,7 @@ import enum
 import pytest
 
 import megatron_cp_ext as mcx
-from megatron_cp_ext.mask_names import MASK_NAMES
+from megatron_cp_ext.masks.names import MASK_NAMES
 
 
 class FakeAttnMaskType(enum.Enum):

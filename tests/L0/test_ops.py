@@ -1,4 +1,4 @@
-"""The row primitives of ``megatron_cp_ext.ops`` against naive per-row formulas (CPU).
+"""The row primitives of ``megatron_cp_ext.runtime.ops`` against naive per-row formulas (CPU).
 
 On CPU the public functions always take the pure-torch path, so these tests pin down the
 contract that the CUDA kernels are later compared against (tests/gpu/test_ops_cuda.py).
@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from megatron_cp_ext import ops
+from megatron_cp_ext.runtime import ops
 
 NEG_INF = float("-inf")
 

@@ -5,8 +5,8 @@ input dtype as the caller rounds), rows no call covers included."""
 import numpy as np
 import torch
 
-from megatron_cp_ext.ops import LSE_FLOOR
 from megatron_cp_ext.plan import VarlenCall
+from megatron_cp_ext.runtime.ops import LSE_FLOOR
 from megatron_cp_ext.schedules.common import GradAcc, OutAcc
 from megatron_cp_ext.schedules.placed import PlacedGrad, PlacedOut, placement
 

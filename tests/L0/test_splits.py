@@ -1,4 +1,4 @@
-"""The record of data splits (``megatron_cp_ext/splits.py``): what is recorded (``shard``, an
+"""The record of data splits (``megatron_cp_ext/sharding/splits.py``): what is recorded (``shard``, an
 unpickled sharding), what counts as the same split (the token -> rank assignment, however cut into
 segments), what is kept (the last ``KEEP`` micro-batches), and the Megatron side on one rank:
 ``make_packed_seq_params(sharding=...)`` and a plain ``PackedSeqParams`` against the record."""
@@ -9,8 +9,9 @@ import pytest
 import torch
 
 import megatron_cp_ext as mcx
-from megatron_cp_ext import CPArgumentError, splits
-from megatron_cp_ext.te_layout import te_thd_sharding
+from megatron_cp_ext import CPArgumentError
+from megatron_cp_ext.sharding import splits
+from megatron_cp_ext.sharding.te_layout import te_thd_sharding
 
 CU = [0, 36, 156, 156, 220, 420, 424]
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import megatron_cp_ext as mcx
-from megatron_cp_ext.te_layout import separate_padding
+from megatron_cp_ext.sharding.te_layout import separate_padding
 
 
 def te_indices(cu: list[int], cp: int, rank: int) -> list[int]:

@@ -7,10 +7,11 @@ import pytest
 import torch
 
 import megatron_cp_ext as mcx
-from megatron_cp_ext import balance_pick, schedules
-from megatron_cp_ext.batches import cu_seqlens, lognormal
+from megatron_cp_ext import schedules
+from megatron_cp_ext.balance import pick as balance_pick
+from megatron_cp_ext.balance.tile_pick import GOAL, GOAL_OF_ONE, rank_paths, rank_tiles
 from megatron_cp_ext.masks import MaskSpec
-from megatron_cp_ext.tile_pick import GOAL, GOAL_OF_ONE, rank_paths, rank_tiles
+from megatron_cp_ext.sharding.batches import cu_seqlens, lognormal
 
 MASKS = {
     "causal": dict(causal=True),

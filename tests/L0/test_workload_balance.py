@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import megatron_cp_ext as mcx
-from megatron_cp_ext.balance_pick import WORK_BOUND, WORK_SLACK
-from megatron_cp_ext.batches import cu_seqlens, lognormal, long_short
-from megatron_cp_ext.geometry import TILE
+from megatron_cp_ext.balance.pick import WORK_BOUND, WORK_SLACK
 from megatron_cp_ext.masks import MaskSpec
+from megatron_cp_ext.masks.geometry import TILE
+from megatron_cp_ext.sharding.batches import cu_seqlens, lognormal, long_short
 from megatron_cp_ext.testing.reference import visibility_matrix
 
 MASKS = {
@@ -70,7 +70,7 @@ def test_short_documents_stay_whole_and_long_ones_are_cut():
 def test_same_result_in_separate_processes():
     code = (
         "import hashlib, megatron_cp_ext as mcx;"
-        "from megatron_cp_ext.batches import lognormal, cu_seqlens;"
+        "from megatron_cp_ext.sharding.batches import lognormal, cu_seqlens;"
         "sh = mcx.shard_sequences(cu_seqlens(lognormal(1 << 18, seed=7)), 16, causal=True, window_size=(1000, -1));"
         "print(hashlib.sha256(sh.seg.tobytes() + sh.rank_ptr.tobytes()).hexdigest())"
     )
@@ -184,8 +184,8 @@ def test_small_ranks_at_least_as_balanced_as_dualchunk(mask):
 
 def _exhaustive_pick(lens, counts, mask, dual):
     """The search without its shortcuts: every pass run in full and scored on its own."""
-    from megatron_cp_ext.balance_pick import TOLERANCES, rank_work, tile_estimate
-    from megatron_cp_ext.workload import workload_segments
+    from megatron_cp_ext.balance.pick import TOLERANCES, rank_work, tile_estimate
+    from megatron_cp_ext.balance.workload import workload_segments
 
     cands = [workload_segments(lens, counts, mask, t) for t in TOLERANCES]
     cands.insert(1, dual)
@@ -213,8 +213,8 @@ def test_search_shortcuts_pick_what_the_full_search_picks(lens, cp, mask, monkey
     reversed pass on symmetric counts: none of that may change the pick (batches where the
     extra passes run, some with symmetric counts). The exact tile step after it is off here
     (tests/L0/test_tile_pick.py)."""
-    from megatron_cp_ext import balance_pick
-    from megatron_cp_ext.balance_pick import pick
+    from megatron_cp_ext.balance import pick as balance_pick
+    from megatron_cp_ext.balance.pick import pick
 
     monkeypatch.setattr(balance_pick, "TILE_STEP", False)
     from megatron_cp_ext.sharding import _dualchunk, rank_counts
@@ -232,9 +232,9 @@ def test_mirror_halves_rise_in_their_own_order(window):
     """Under a non-causal window each unit's halves (the second read in mirrored order) have
     non-decreasing visible keys per query, counted from the mask's definition, and their
     closed-form work matches that count."""
-    from megatron_cp_ext.geometry import bounds
-    from megatron_cp_ext.workload import _work
-    from megatron_cp_ext.workload_mirror import halves, mirror_split
+    from megatron_cp_ext.balance.workload import _work
+    from megatron_cp_ext.balance.workload_mirror import halves, mirror_split
+    from megatron_cp_ext.masks.geometry import bounds
 
     mask = MaskSpec.make(causal=False, window_size=window)
     lens = np.array([1, 2, 7, 64, 129, 300])

@@ -12,8 +12,9 @@ import torch
 import torch.distributed as dist
 
 import megatron_cp_ext as mcx
-from megatron_cp_ext import ops, schedules
+from megatron_cp_ext import schedules
 from megatron_cp_ext.masks import MaskSpec
+from megatron_cp_ext.runtime import ops
 from megatron_cp_ext.schedules import a2a_groups, p2p, p2p_plan
 from megatron_cp_ext.schedules.common import GradAcc, accumulate
 from megatron_cp_ext.testing.accounting import Tracker, add_storage, flash_stub, saved_bytes

@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 import torch
 
+from megatron_cp_ext.runtime.validation import CPArgumentError as VE
+from megatron_cp_ext.runtime.validation import CPArgumentTypeError as TE
+from megatron_cp_ext.runtime.validation import CPRankMismatchError as ME
 from megatron_cp_ext.testing.faults import Fault, attempt
 from megatron_cp_ext.testing.pool import run_on_ranks
-from megatron_cp_ext.validation import CPArgumentError as VE
-from megatron_cp_ext.validation import CPArgumentTypeError as TE
-from megatron_cp_ext.validation import CPRankMismatchError as ME
 
 WATCHDOG_S = 25
 

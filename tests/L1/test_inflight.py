@@ -1,4 +1,4 @@
-"""Transfer buffers stay held until their wait (``inflight.py``, ``comm.Peers``): a real p2p
+"""Transfer buffers stay held until their wait (``runtime/inflight.py``, ``comm.Peers``): a real p2p
 layer (forward and backward, CP 4 through the in-process runner) posts only batches it later
 waits, every byte sent is a byte received; a batch dropped before its wait is caught; the
 allocator-trace check flags exactly the allocations inside an in-flight window."""
@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 
 import megatron_cp_ext as mcx
-from megatron_cp_ext import inflight
-from megatron_cp_ext.comm import Batch, Peers
+from megatron_cp_ext.runtime import inflight
+from megatron_cp_ext.runtime.comm import Batch, Peers
 from megatron_cp_ext.testing.inproc import run_threads
 
 

@@ -121,13 +121,8 @@ def cp1_losses(tmp_path_factory) -> list[float]:
     return _train(1, tmp_path_factory.mktemp("cp1"), "--context-parallel-size", "1")
 
 
-@pytest.mark.parametrize(
-    "nproc,comm",
-    [(2, ["p2p"]), (4, ["p2p", "all_gather"])],
-    ids=["cp2-p2p", "cp4-per-layer-p2p-all_gather"],
-)
-def test_gpt_training_matches_cp1(cp1_losses, tmp_path, nproc: int, comm: list[str]) -> None:
-    losses = _train(nproc, tmp_path, "--context-parallel-size", str(nproc), "--cp-comm-type", *comm)
+def test_gpt_training_matches_cp1(cp1_losses, tmp_path) -> None:
+    losses = _train(2, tmp_path, "--context-parallel-size", "2", "--cp-comm-type", "p2p")
     assert len(losses) == 3
     assert max(abs(a - b) for a, b in zip(losses, cp1_losses)) < 1e-4, (losses, cp1_losses)
 
@@ -138,8 +133,9 @@ def test_gpt_training_dualchunk_matches_cp1(cp1_losses, tmp_path) -> None:
 
 
 def test_gpt_training_workload_cut_documents_matches_cp1(tmp_path) -> None:
-    """Documents up to 600 tokens: the workload balance cuts the long ones across 4 ranks."""
+    """Documents up to 600 tokens: the workload balance cuts the long ones across 4 ranks, and
+    the two layers run different comm types (per-layer ``--cp-comm-type``) on that one split."""
     data = ["--seq-length", "1024", "--max-doc-len", "600", "--cp-load-balance", "workload"]
     ref = _train(1, tmp_path, "--context-parallel-size", "1", *data)
-    losses = _train(4, tmp_path, "--context-parallel-size", "4", "--cp-comm-type", "p2p", *data)
+    losses = _train(4, tmp_path, "--context-parallel-size", "4", "--cp-comm-type", "p2p", "all_gather", *data)
     assert max(abs(a - b) for a, b in zip(losses, ref)) < 1e-4, (losses, ref)

@@ -5,7 +5,7 @@ that both ends of every pair list them in the same order, empty slots included."
 
 import pytest
 
-from megatron_cp_ext import comm
+from megatron_cp_ext.runtime import comm
 from megatron_cp_ext.testing.cases import AttnCase, check_case, run_case
 from megatron_cp_ext.testing.inproc import run_threads
 

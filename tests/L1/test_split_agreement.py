@@ -88,7 +88,7 @@ def split(data: str, made: str, lengths: list[int], world: int, group):
     reference attends within (padding as documents of its own)."""
     import megatron_cp_ext as mcx
     from megatron_cp_ext.megatron import make_packed_seq_params, shard_batch_for_cp
-    from megatron_cp_ext.te_layout import te_thd_sharding
+    from megatron_cp_ext.sharding.te_layout import te_thd_sharding
 
     rank = torch.distributed.get_rank(group)
     cu = torch.tensor([0, *lengths]).cumsum(0)
@@ -219,8 +219,8 @@ def _expectation(combo: str, lengths: list[int], world: int) -> tuple[str, ...] 
     reproductions refuse where the data's split and the layer's differ (where they coincide,
     e.g. ``workload`` choosing the ``dualchunk`` cut, the result is exact)."""
     import megatron_cp_ext as mcx
-    from megatron_cp_ext import splits
-    from megatron_cp_ext.te_layout import te_thd_sharding
+    from megatron_cp_ext.sharding import splits
+    from megatron_cp_ext.sharding.te_layout import te_thd_sharding
 
     cu = [0, *torch.tensor(lengths).cumsum(0).tolist()]
     fp = lambda sh: splits.layout_of(sh).fingerprint  # noqa: E731

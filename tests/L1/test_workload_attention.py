@@ -1,4 +1,4 @@
-"""``balance="workload"`` end to end: every comm type and mask on gloo worlds of 2 and 4 against
+"""``balance="workload"`` end to end: every comm type and mask, on gloo worlds of 2 and 4, against
 the dense fp64 reference, with documents long enough to be cut into tile-aligned pieces
 across ranks next to empty, one-token and odd-length ones (bshd/sbhd keep Megatron's split:
 their tokens are placed by the data loader, not by us)."""
@@ -23,13 +23,25 @@ HEADS = {"mha": dict(hq=4, hkv=4), "gqa": dict(hq=4, hkv=2), "mla": dict(hq=4, h
 
 
 def _grid() -> list:
+    """Every comm type x mask once, causal with every head layout; the world alternates so that
+    each comm type and each mask runs on both worlds (32 cases: the full product, 80, had each
+    plan shape several times over at about 2 s a case)."""
     out = []
-    for comm in COMM_TYPES:
-        for mask in MASKS:
-            for world in (2, 4):
-                for heads in HEADS if mask in ("causal", "left64") else ("gqa",):
-                    out.append(pytest.param(comm, mask, world, heads, id=f"{comm}-{mask}-w{world}-{heads}"))
+    for ci, comm in enumerate(COMM_TYPES):
+        for mi, mask in enumerate(MASKS):
+            heads_of = list(HEADS) if mask == "causal" else [list(HEADS)[(ci + mi) % 3] if mask == "left64" else "gqa"]
+            for hi, heads in enumerate(heads_of):
+                world = (2, 4)[(ci + mi + hi) % 2]
+                out.append(pytest.param(comm, mask, world, heads, id=f"{comm}-{mask}-w{world}-{heads}"))
     return out
+
+
+def test_grid_covers_pairs():
+    grid = [p.values for p in _grid()]
+    assert {(c, m) for c, m, _, _ in grid} == {(c, m) for c in COMM_TYPES for m in MASKS}
+    assert {(c, w) for c, _, w, _ in grid} == {(c, w) for c in COMM_TYPES for w in (2, 4)}
+    assert {(m, w) for _, m, w, _ in grid} == {(m, w) for m in MASKS for w in (2, 4)}
+    assert {(c, h) for c, m, _, h in grid if m == "causal"} == {(c, h) for c in COMM_TYPES for h in HEADS}
 
 
 @pytest.mark.parametrize("comm, mask, world, heads", _grid())
@@ -66,12 +78,12 @@ def test_a2a_p2p_halved_forward_calls_match_dense(mask):
 @pytest.mark.parametrize("mask, world", [("bidir-50-30", 2), ("chunk256-left40", 4)])
 def test_grid_exercises_the_reference_step(mask, world, monkeypatch):
     """Two cells of the grid above run a plain split that the reference step keeps for its
-    shorter critical path (``balance_pick.shorter_reference``: the contiguous split, the
+    shorter critical path (``balance.pick.shorter_reference``: the contiguous split, the
     packed order), so its shardings are checked against the dense reference too."""
     import numpy as np
 
     import megatron_cp_ext as mcx
-    from megatron_cp_ext import balance_pick
+    from megatron_cp_ext.balance import pick as balance_pick
 
     cu = np.concatenate([[0], np.cumsum(SEQLENS)]).tolist()
     new = mcx.shard_sequences(cu, world, **MASKS[mask])

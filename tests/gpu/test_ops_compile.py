@@ -4,7 +4,7 @@ fake impls under ``torch.compile`` (the ops trace, and the compiled graph gives 
 import pytest
 import torch
 
-from megatron_cp_ext import ops
+from megatron_cp_ext.runtime import ops
 
 pytestmark = [
     pytest.mark.gpu,

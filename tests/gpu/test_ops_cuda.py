@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from megatron_cp_ext import ops
+from megatron_cp_ext.runtime import ops
 
 pytestmark = [
     pytest.mark.gpu,

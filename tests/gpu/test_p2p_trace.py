@@ -5,11 +5,11 @@ much of each rank's transfer time its own compute overlapped. The test asserts t
 holds every step's compute and transfers and that the ring hides at least half of its
 transfer time (overlap / transfer >= 0.5), and prints the summary for the device report.
 
-No allocator reuse across streams: the same layer runs under :func:`megatron_cp_ext.inflight.tracking`
+No allocator reuse across streams: the same layer runs under :func:`megatron_cp_ext.runtime.inflight.tracking`
 with the caching allocator's history recorded; every batch handed to a transfer was waited
 before release, and no allocation (on any stream) overlaps a buffer between its post and its
 wait (allocations are tagged with the ledger's sequence; the tags are per thread, so an
-allocation is placed between its own thread's ticks, :func:`megatron_cp_ext.inflight.reuse_hazards`)."""
+allocation is placed between its own thread's ticks, :func:`megatron_cp_ext.runtime.inflight.reuse_hazards`)."""
 
 import json
 
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import megatron_cp_ext as mcx
-from megatron_cp_ext import inflight
+from megatron_cp_ext.runtime import inflight
 from megatron_cp_ext.testing.inproc import run_threads
 from megatron_cp_ext.testing.inproc_streams import overlap_by_rank
 

@@ -47,8 +47,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .geometry import TILE, bounds, chunk_units, tile_area, work_prefix
-from .masks import MaskSpec
+from ..masks import MaskSpec
+from ..masks.geometry import TILE, bounds, chunk_units, tile_area, work_prefix
 from .tile_pick import ESTIMATE_HIGH, GOAL, GOAL_OF_ONE, LOOSE, MAX_RANKS, REACH, rank_paths, rank_tiles
 from .workload import TOLERANCE, Step, workload_segments
 

@@ -9,10 +9,10 @@ runs the planner's own entry builder (:func:`.plan.calls._entries`) on every ran
 candidate at once, so the count is the one :func:`.inspect.inspect_plan` reports, at a few
 milliseconds per candidate batch instead of a plan per rank.
 
-:func:`.balance_pick.refine`, the last step of :func:`.balance_pick.pick`, uses it: where
+:func:`.pick.refine`, the last step of :func:`.pick.pick`, uses it: where
 the picked sharding misses the tile goal (efficiency >= :data:`GOAL`, or >= :data:`GOAL_OF_ONE` of the batch
 unsharded), it runs the search's other passes (and, where dual-chunk's own work is out of
-:data:`.balance_pick.WORK_BOUND`, passes with looser tolerances) and keeps the admissible one
+:data:`.pick.WORK_BOUND`, passes with looser tolerances) and keeps the admissible one
 whose largest rank's tile area — the step's critical path — is smallest, ties by total area.
 The pick itself stays a candidate, so no rank's critical path can grow.
 """
@@ -23,9 +23,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .geometry import tile_area
-from .masks import MaskSpec
-from .plan.calls import Layout, _entries, _pieces, visible_rows
+from ..masks import MaskSpec
+from ..masks.geometry import tile_area
+from ..plan.calls import Layout, _entries, _pieces, visible_rows
 
 __all__ = ["rank_tiles", "rank_paths", "Paths", "GOAL", "GOAL_OF_ONE", "LOOSE", "MAX_RANKS", "REACH"]
 
@@ -45,7 +45,7 @@ MAX_RANKS = 32
 about as much as the whole pick (35-40 ms of host time per pass, up to three passes), for a
 largest-rank tile area 2-8 % smaller on the balance families."""
 ESTIMATE_HIGH = 1.4
-"""How far above the exact area the per-unit estimate (:func:`.balance_pick.tile_estimate`)
+"""How far above the exact area the per-unit estimate (:func:`.pick.tile_estimate`)
 may lie (at most 1.33 on the balance families): above that, the exact count is skipped."""
 
 Segs = list[np.ndarray]

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .masks import MaskSpec
+from . import MaskSpec
 
 __all__ = ["BIG", "bounds", "band_blocks", "band_count", "chunk_units", "work_prefix", "tile_area"]
 

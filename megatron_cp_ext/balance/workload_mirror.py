@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .geometry import TILE, work_prefix
+from ..masks.geometry import TILE, work_prefix
 from .workload_order import merge_adjacent
 
 __all__ = ["mirror_split", "halves", "unmirror"]

@@ -40,8 +40,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .geometry import BIG, TILE, bounds, work_prefix
-from .masks import MaskSpec
+from ..masks import MaskSpec
+from ..masks.geometry import BIG, TILE, bounds, work_prefix
 from .workload_mirror import halves, mirror_split, unmirror
 from .workload_order import local_order, merge_adjacent
 
@@ -360,7 +360,7 @@ def workload_segments(
     ``trace`` (a list) receives every rank's :class:`Step`. ``replay``, the trace of an earlier
     pass over the same lengths, counts and mask, lets this pass reuse that pass's probes for as
     long as its choices agree (the stream is then the same), redoing only the choices: the
-    passes of :func:`.balance_pick.pick` differ only in tolerance, so they share most probes.
+    passes of :func:`.pick.pick` differ only in tolerance, so they share most probes.
     ``give_up(work)`` true of a rank's work ends the pass early with None (a search that
     already knows the pass cannot win)."""
     lo, up = bounds(mask)

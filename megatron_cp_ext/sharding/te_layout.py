@@ -19,8 +19,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from .sharding import CPSharding, check_cu_seqlens
-from .validation import CPArgumentError, as_int
+from ..runtime.validation import CPArgumentError, as_int
+from . import CPSharding, check_cu_seqlens
 
 __all__ = ["TE_LAYOUT", "separate_padding", "te_thd_sharding"]
 

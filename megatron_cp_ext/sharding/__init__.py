@@ -10,6 +10,11 @@ them); :attr:`CPSharding.segments` gives the readable tuple form. Shardings pick
 their plan cache, so a data-loader worker can build them ahead of the step.
 
 Shape legend: ``T`` global tokens, ``t`` one rank's tokens.
+
+Beside it in this folder: TransformerEngine's THD split as a sharding (:mod:`.te_layout`),
+bshd/sbhd batches as THD rows (:mod:`.seq_layout`), the record of the splits data got
+(:mod:`.splits`) and named synthetic length mixes (:mod:`.batches`). How the ``workload``
+balance cuts lives one layer down, in :mod:`megatron_cp_ext.balance`.
 """
 
 from __future__ import annotations
@@ -21,9 +26,9 @@ from functools import cached_property
 import numpy as np
 import torch
 
+from ..masks import MaskSpec
+from ..runtime.validation import CPArgumentError, CPArgumentTypeError, as_int, as_ints
 from . import splits
-from .masks import MaskSpec
-from .validation import CPArgumentError, CPArgumentTypeError, as_int, as_ints
 
 __all__ = ["Segment", "CPSharding", "shard_sequences", "check_cu_seqlens", "rank_counts", "BALANCES"]
 
@@ -383,7 +388,7 @@ def shard_sequences(
         seq = np.nonzero(lens)[0]
         return CPSharding._of(cu, [np.stack([seq, seq * 0, lens[seq]], axis=1)], balance, token_multiple)
     if balance == "workload":
-        from .balance_pick import References, pick
+        from ..balance.pick import References, pick
 
         counts = rank_counts(cu[-1], cp_size, token_multiple)
         refs = References(

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from .sharding import CPSharding, shard_sequences
-from .validation import CPArgumentError, CPArgumentTypeError
+from ..runtime.validation import CPArgumentError, CPArgumentTypeError
+from . import CPSharding, shard_sequences
 
 __all__ = ["fixed_length_sharding", "rows_to_thd", "seq_to_thd", "thd_to_seq"]
 

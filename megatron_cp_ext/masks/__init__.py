@@ -10,6 +10,9 @@ entry: trim the queries to those that see a key and the keys to those some query
 the band ``q - left <= k <= q + right`` becomes the entry's flash window, shifted by where
 the ranges sit (:func:`visible_blocks`). Chunked attention is the same after cutting both
 ranges at chunk boundaries.
+
+Beside it in this folder: the same questions on numpy arrays for thousands of range pairs at
+once (:mod:`.geometry`) and Megatron's mask names as these flags (:mod:`.names`).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from .validation import as_bool, as_chunk, as_window
+from ..runtime.validation import as_bool, as_chunk, as_window
 
 __all__ = ["MaskSpec", "Block", "visible_blocks", "flash_visible"]
 
