@@ -3,16 +3,18 @@
 No GPU is needed: this is the check that the kernels and their torch glue type-check against
 the installed torch headers and CUDA toolkit. It compiles to object files only (a CPU torch
 has no CUDA libraries to link against) for the default archs (sm_80, sm_90, or
-``TORCH_CUDA_ARCH_LIST``). About 20 s on 2 cores; skipped when nvcc is not on PATH.
+``TORCH_CUDA_ARCH_LIST``). One nvcc per core at a time (about 20 s on 2 cores); skipped when nvcc is not on PATH.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import shutil
 import subprocess
 import sys
 import sysconfig
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -45,16 +47,30 @@ def _torch_flags() -> list[str]:
     return flags
 
 
-@pytest.mark.skipif(NVCC is None, reason="nvcc not on PATH")
-@pytest.mark.parametrize("source", _BUILD.sources())
-def test_source_compiles(source: str, tmp_path: Path) -> None:
+def _compile(source: str, obj: Path) -> tuple[list[str], subprocess.CompletedProcess]:
     # Our own kernel files must also be warning-free; torch's headers are not ours to fix.
     strict = ["--Werror", "all-warnings"] if source.endswith(".cu") else []
-    cmd = [NVCC, "-c", str(ROOT / source), "-o", str(tmp_path / "out.o")]
-    cmd += _BUILD.nvcc_flags() + _torch_flags() + strict
-    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300)
+    cmd = [NVCC, "-c", str(ROOT / source), "-o", str(obj)] + _BUILD.nvcc_flags() + _torch_flags() + strict
+    return cmd, subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory) -> dict:
+    """Every source's nvcc run, started together (one per core at a time), by source."""
+    out = tmp_path_factory.mktemp("csrc")
+    pool = ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1))
+    jobs = {s: (out / f"{i}.o", pool.submit(_compile, s, out / f"{i}.o")) for i, s in enumerate(_BUILD.sources())}
+    yield jobs
+    pool.shutdown(cancel_futures=True)
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not on PATH")
+@pytest.mark.parametrize("source", _BUILD.sources())
+def test_source_compiles(source: str, compiled: dict) -> None:
+    obj, job = compiled[source]
+    cmd, proc = job.result()
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout}\n{proc.stderr}"
-    assert (tmp_path / "out.o").stat().st_size > 0
+    assert obj.stat().st_size > 0
 
 
 def test_sources_found() -> None:
