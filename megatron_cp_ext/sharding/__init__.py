@@ -7,14 +7,11 @@ so any assignment of token ranges to ranks that partitions the batch is valid.
 
 Segments are kept as numpy arrays (a 1M-token batch at cp 64 has tens of thousands of
 them); :attr:`CPSharding.segments` gives the readable tuple form. Shardings pickle without
-their plan cache, so a data-loader worker can build them ahead of the step.
+their plan cache, so a data-loader worker can build them ahead of the step. Shape legend:
+``T`` global tokens, ``t`` one rank's tokens.
 
-Shape legend: ``T`` global tokens, ``t`` one rank's tokens.
-
-Beside it in this folder: TransformerEngine's THD split as a sharding (:mod:`.te_layout`),
-bshd/sbhd batches as THD rows (:mod:`.seq_layout`), the record of the splits data got
-(:mod:`.splits`) and named synthetic length mixes (:mod:`.batches`). How the ``workload``
-balance cuts lives one layer down, in :mod:`megatron_cp_ext.balance`.
+Beside it: TE's THD split (:mod:`.te_layout`), bshd/sbhd as THD rows (:mod:`.seq_layout`), the
+split record (:mod:`.splits`), length mixes (:mod:`.batches`); the cut is :mod:`..balance`'s.
 """
 
 from __future__ import annotations
@@ -274,19 +271,17 @@ def _dealt(prefix: np.ndarray, cp: int, m: int) -> np.ndarray:
 def rank_counts(total: int, cp_size: int, token_multiple: int = 1) -> list[int]:
     """Tokens every balance gives each rank: ``total`` dealt in blocks of ``token_multiple``.
 
-    With ``q = total // m`` blocks, rank r gets ``q // cp`` blocks plus one if ``r < q % cp``;
-    the last ``total % m`` tokens (only when ``total`` is not a multiple of ``m``) go to rank
-    ``q % cp``, which holds one block fewer than the ranks before it. So every count is a
-    multiple of ``m`` except that one, counts differ by at most ``m``, and no rank is empty
-    while ``total >= cp * m``.
+    With ``q = total // m`` blocks, rank r gets ``q // cp`` blocks plus one if ``r < q % cp``; the last
+    ``total % m`` tokens (only when ``total`` is not a multiple of ``m``) go to rank ``q % cp``, which
+    holds one block fewer than the ranks before it. So every count is a multiple of ``m`` except that
+    one, counts differ by at most ``m``, and no rank is empty while ``total >= cp * m``.
     """
     return [int(c) for c in _dealt(np.asarray([total]), cp_size, token_multiple)[0]]
 
 
 def _shares(lens: np.ndarray, cp: int, m: int) -> np.ndarray:
-    """``[nseq, cp]`` tokens of every sequence that rank r holds: the deal of
-    :func:`rank_counts` over the batch's global token order, so every sequence is split
-    near-evenly (within ``m``) and every rank's total is its count."""
+    """``[nseq, cp]`` tokens of every sequence that rank r holds: :func:`rank_counts`'s deal over
+    the global token order, so every sequence splits within ``m`` and each rank's total is its count."""
     cu = np.concatenate([[0], np.cumsum(lens)])
     return np.diff(_dealt(cu, cp, m), axis=0)
 
