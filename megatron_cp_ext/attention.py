@@ -45,7 +45,7 @@ from .schedules import a2a, build_plan, prepare_plan, schedule_of
 from .schedules.common import Run, apply_sink, sink_grad
 from .schedules.delta import row_dot
 from .schedules.max_logit import new_max_logit, reduce_max_logit
-from .sharding import CPSharding
+from .sharding import CPSharding, splits
 from .sharding.seq_layout import fixed_length_sharding, rows_to_thd, seq_to_thd, thd_to_seq
 
 __all__ = ["cp_attention", "COMM_TYPES", "QKV_FORMATS"]
@@ -156,6 +156,7 @@ def _prepare(q, k, v, a: dict, known: _Known) -> _Call:
             f"q has {shapes.tokens} tokens but the sharding gives CP rank {groups.rank} "
             f"{sharding.num_tokens(groups.rank)} (shard inputs with sharding.shard(x, rank))"
         )
+    _check_data_split(sharding, fmt, seq_dims)
     backend = get_backend(shapes.device, backend_name)
     check_backend_dtype(resolved_name(backend), shapes.dtype)
     offset = check_offset(a["softmax_offset"], shapes)
@@ -169,6 +170,31 @@ def _prepare(q, k, v, a: dict, known: _Known) -> _Call:
     return _Call(
         q, k, v, shapes, groups, comm_type, fmt, seq_dims, sharding, mask, scale, backend, check, grad, heads, offset
     )
+
+
+THD_FIX = "Pass cp_attention the sharding that split the data (one CPSharding per micro-batch for every layer)"
+SEQ_FIX = (
+    "bshd/sbhd attention always uses Megatron's dual-chunk split: split such data with "
+    "shard_sequences([0, s], cp, balance='dualchunk') (or Megatron's get_batch_on_this_cp_rank), or pass it as thd "
+    "with sharding="
+)
+
+
+def _check_data_split(sharding: CPSharding, fmt: str, seq_dims: tuple[int, int] | None) -> None:
+    """The attention's split is one this process split the data with (when it split data of
+    these ``cu_seqlens`` at all), else the same ``CPArgumentError`` on every rank (design
+    rule 5). bshd/sbhd data cut along its sequence dimension was split as one sequence
+    ``[0, s]``; that split must be the dual-chunk one these formats attend with."""
+    if fmt == "thd":
+        msg = splits.disagreement(sharding, "the sharding passed to cp_attention", THD_FIX)
+    else:
+        layer = f"Megatron's dual-chunk split (qkv_format={fmt!r})"
+        msg = splits.disagreement(sharding, layer, SEQ_FIX)
+        if msg is None and seq_dims[0] > 1:
+            one = fixed_length_sharding(1, seq_dims[1], sharding.cp_size, fmt)
+            msg = splits.disagreement(one, layer, SEQ_FIX)
+    if msg is not None:
+        raise CPArgumentError(msg)
 
 
 AUTO_CHOOSER: list[Callable[..., tuple[str, CPGroups]] | None] = [None]
@@ -277,7 +303,8 @@ def cp_attention(
             micro-batch, the one the cost model predicts fastest (``docs/planning.md``;
             ``a2a+p2p`` is a candidate when ``cp_group`` is the hierarchical pair).
         sharding: from :func:`shard_sequences`, required for ``thd`` (``None`` otherwise);
-            reuse one per micro-batch.
+            the one that split the data, for every layer of the micro-batch (another split of
+            the same batch that this process recorded raises :class:`CPArgumentError`).
         causal, window_size, chunk_size: mask on positions inside each sequence (design §1):
             q sees k iff causal ⇒ k ≤ q; left ≥ 0 ⇒ k ≥ q − left; right ≥ 0 and not causal
             ⇒ k ≤ q + right; chunk ⇒ q // chunk == k // chunk. Queries that see no key get 0.

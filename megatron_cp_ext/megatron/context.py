@@ -86,8 +86,6 @@ class CPBatchContext:
     ``None``: :attr:`sharding`."""
     made_by: str = "carried by the PackedSeqParams (make_packed_seq_params / shard_batch_for_cp)"
     """Where the split comes from, for messages."""
-    split_gen: int = -1
-    """:func:`megatron_cp_ext.sharding.splits.generation` when last checked against the data's split."""
     _positions: dict = field(default_factory=dict, repr=False)
 
     def positions(self, device: torch.device | str) -> torch.Tensor:
@@ -179,29 +177,20 @@ def check_split(ctx: CPBatchContext) -> None:
     """The layer's split is the one this process split the micro-batch's data with, or the same
     :class:`CPArgumentError` on every rank (each rank split its own data the same way), naming
     both splits and the fix. A generation compare when nothing new was split (every layer)."""
-    gen = splits.generation()
-    if ctx.split_gen == gen:
-        return
-    layout = ctx.layout or ctx.sharding
-    data = splits.recorded(layout.cu_seqlens, layout.cp_size)
-    mine = splits.layout_of(layout)
-    if data and all(d.fingerprint != mine.fingerprint for d in data):
-        layer = f"{splits.describe(mine)}, {ctx.made_by}"
-        raise CPArgumentError(_mismatch(data, layer, layout.cu_seqlens, layout.cp_size, mine))
-    ctx.split_gen = gen
+    msg = splits.disagreement(ctx.layout or ctx.sharding, ctx.made_by, MEGATRON_FIX)
+    if msg is not None:
+        raise CPArgumentError(msg)
+
+
+MEGATRON_FIX = (
+    "Give the layer the data's split: PackedSeqParams from megatron_cp_ext.megatron.make_packed_seq_params(cu_seqlens, "
+    "sharding=<the sharding that split the data>), or split and build both with shard_batch_for_cp"
+)
+"""What a Megatron layer's split-mismatch message tells the user to do."""
 
 
 def _mismatch(data: tuple, layer: str, cu: tuple | list, cp_size: int, mine: splits.Split | None = None) -> str:
-    d = data[-1]
-    where = f"; {splits.first_difference(d, mine)}" if mine is not None else ""
-    also = f" (and {len(data) - 1} other split(s) of the same cu_seqlens)" if len(data) > 1 else ""
-    return (
-        f"CP split mismatch: this micro-batch's data ({len(cu) - 1} sequences, {cu[-1]} tokens, CP {cp_size}) was "
-        f"split by {splits.describe(d)}{also} with megatron_cp_ext (CPSharding.shard, shard_batch_for_cp, or a "
-        f"sharding received from a data-loader worker), but the attention layer would use {layer}{where}. Give the "
-        "layer the data's split: PackedSeqParams from megatron_cp_ext.megatron.make_packed_seq_params(cu_seqlens, "
-        "sharding=<the sharding that split the data>), or split and build both with shard_batch_for_cp"
-    )
+    return splits.mismatch(data, layer, cu, cp_size, mine, MEGATRON_FIX)
 
 
 def derive_recipe(params: PackedSeqParams, balance: str) -> ShardRecipe:

@@ -29,7 +29,10 @@ import numpy as np
 CPSharding = Any
 """A :class:`megatron_cp_ext.CPSharding` (not imported: :mod:`.sharding` imports this module)."""
 
-__all__ = ["Split", "KEEP", "layout_of", "record", "recorded", "generation", "clear", "describe", "first_difference"]
+__all__ = [
+    "Split", "KEEP", "layout_of", "record", "recorded", "generation", "clear", "describe", "first_difference",
+    "mismatch", "disagreement",
+]  # fmt: skip
 
 KEEP = 64
 """Micro-batches (distinct ``(CP size, cu_seqlens)``) remembered."""
@@ -141,3 +144,33 @@ def first_difference(a: Split, b: Split) -> str:
 
 def _show(seg: np.ndarray, i: int) -> str:
     return f"sequence {seg[i][0]} positions {seg[i][1]}-{seg[i][2] - 1}" if i < len(seg) else "nothing more"
+
+
+def mismatch(data: tuple[Split, ...], layer: str, cu, cp_size: int, mine: Split | None, fix: str) -> str:
+    """The split-mismatch message: the data's recorded split(s), the one the layer would use,
+    where they first differ, and ``fix`` (what to give the layer)."""
+    d = data[-1]
+    where = f"; {first_difference(d, mine)}" if mine is not None else ""
+    also = f" (and {len(data) - 1} other split(s) of the same cu_seqlens)" if len(data) > 1 else ""
+    return (
+        f"CP split mismatch: this micro-batch's data ({len(cu) - 1} sequences, {cu[-1]} tokens, CP {cp_size}) was "
+        f"split by {describe(d)}{also} with megatron_cp_ext (CPSharding.shard, shard_batch_for_cp, or a "
+        f"sharding received from a data-loader worker), but the attention layer would use {layer}{where}. {fix}"
+    )
+
+
+def disagreement(sharding: CPSharding, layer: str, fix: str) -> str | None:
+    """The mismatch message when data with ``sharding``'s ``cu_seqlens`` was split (in this
+    process) only by other splits than ``sharding``'s, else None. ``layer`` says where the
+    attention's split came from. A generation compare per call once checked (the hot path)."""
+    gen = _GEN[0]
+    if sharding.cp_size < 2 or sharding._cache.get("checked_gen") == gen:
+        return None
+    data = recorded(sharding.cu_seqlens, sharding.cp_size)
+    if data:
+        mine = layout_of(sharding)
+        if all(d.fingerprint != mine.fingerprint for d in data):
+            words = f"{describe(mine)}, {layer}"
+            return mismatch(data, words, sharding.cu_seqlens, sharding.cp_size, mine, fix)
+    sharding._cache["checked_gen"] = gen
+    return None

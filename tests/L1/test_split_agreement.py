@@ -281,6 +281,53 @@ def test_transformer_layer_agrees_or_refuses(world, combo, comm, window):
         _one_error_everywhere(results, *needles)
 
 
+def sbhd_case(rank: int, world: int, data: str, comm: str) -> dict:
+    """``CPCoreAttention`` on sbhd input (no ``PackedSeqParams``: Megatron's dual-chunk split),
+    the data cut by Megatron's ``get_batch_on_this_cp_rank`` or by ``shard_sequences([0, s])``,
+    against dense fp64 attention over each whole sample."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    import megatron_cp_ext as mcx
+    from megatron_cp_ext.megatron import CPCoreAttention
+    from megatron_cp_ext.testing.reference import dense_attention
+
+    group = _setup(world, comm)
+    core = CPCoreAttention(_config(world, comm, None), 1, AttnMaskType.causal,
+                           pg_collection=ProcessGroupCollection.use_mpu_process_groups())  # fmt: skip
+    s, b = 96 * world, 2
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(s, b, h, DIM, generator=g, dtype=torch.float64) for h in (HEADS, GROUPS, GROUPS))
+    if data == "megatron":  # Megatron's own pipeline: [b, s, ...] batches, nothing recorded
+        got = get_batch_on_this_cp_rank({n: x.transpose(0, 1) for n, x in zip("qkv", (q, k, v))}, cp_group=group)
+        local = [got[n].transpose(0, 1) for n in "qkv"]
+        rows = torch.as_tensor(mcx.shard_sequences([0, s], world, balance="dualchunk").global_index(rank))
+    else:
+        sh = mcx.shard_sequences([0, s], world, balance=data)
+        local, rows = [sh.shard(x, rank) for x in (q, k, v)], torch.as_tensor(sh.global_index(rank))
+    try:
+        out = core(*local, None)
+    except mcx.CPArgumentError as err:
+        return {"error": type(err).__name__, "message": str(err)}
+    want = torch.stack([dense_attention(q[:, i], k[:, i], v[:, i], [0, s], causal=True) for i in range(b)], 1)
+    return {"errs": {"out": (out - want[rows].reshape(len(rows), b, -1)).abs().max().item()}}
+
+
+@pytest.mark.parametrize("comm", COMMS)
+@pytest.mark.parametrize("data", ["megatron", "dualchunk", "contiguous"])
+def test_sbhd_layer_agrees_or_refuses(data, comm):
+    """sbhd through Megatron: data cut by Megatron's own function or by the dual-chunk balance is
+    exact; a contiguous cut of the sequence refuses on every rank (it was silently wrong)."""
+    results = run_on_ranks(4, sbhd_case, data, comm)
+    if data == "contiguous":
+        _one_error_everywhere(
+            results, "CP split mismatch", "'contiguous' split", "dual-chunk split (qkv_format='sbhd')"
+        )
+    else:
+        _exact(results, 1e-10)
+
+
 # ---- the randomized family ----------------------------------------------------------------------
 SPLITS = ("readme", "dualchunk", "contiguous", "te", "batch", "megatron-te", "megatron-te-padded")
 PARAMS = ("plain", "made", "made-te", "given")
