@@ -42,7 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "thd_get_partitioned_indices per document; always used with cu_seqlens_q_padded), or the balance a "
         "pipeline passed to megatron_cp_ext.shard_sequences: workload (short documents whole, long ones "
         "in 128-aligned pieces, attention work balanced), dualchunk (every sequence in 2*cp chunks) or "
-        "contiguous (cp slices of every sequence). Batches split by shard_batch_for_cp carry their split",
+        "contiguous (cp slices of every sequence); those three only for data this process split with "
+        "CPSharding.shard (otherwise refused: nothing confirms them). Batches split by shard_batch_for_cp "
+        "carry their split",
     )
     group.add_argument(
         "--cp-attention-backend",

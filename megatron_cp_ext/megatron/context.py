@@ -86,6 +86,8 @@ class CPBatchContext:
     ``None``: :attr:`sharding`."""
     made_by: str = "carried by the PackedSeqParams (make_packed_seq_params / shard_batch_for_cp)"
     """Where the split comes from, for messages."""
+    assumed: bool = False
+    """The split was assumed from ``load_balance`` for plain params (not carried, not padded)."""
     _positions: dict = field(default_factory=dict, repr=False)
 
     def positions(self, device: torch.device | str) -> torch.Tensor:
@@ -193,6 +195,18 @@ def _mismatch(data: tuple, layer: str, cu: tuple | list, cp_size: int, mine: spl
     return splits.mismatch(data, layer, cu, cp_size, mine, MEGATRON_FIX)
 
 
+def _unconfirmed(balance: str, cu: list[int], cp_size: int) -> str:
+    """Why plain params under a non-``te`` ``load_balance`` need the data's split on record."""
+    return (
+        f"PackedSeqParams carry no megatron_cp_ext split and this process split no data of this micro-batch "
+        f"({len(cu) - 1} sequences, {cu[-1]} tokens, CP {cp_size}), so nothing confirms load_balance={balance!r}: "
+        "Megatron's, Megatron-Bridge's and NeMo's own data steps split with TransformerEngine's THD split, which a "
+        f"{balance!r} layer would read as another split. {MEGATRON_FIX} (a data-loader worker can send the "
+        "CPSharding with the batch: it pickles, and unpickling records the split); for batches split by Megatron's "
+        "own data step, use load_balance='te' (--cp-load-balance te)"
+    )
+
+
 def derive_recipe(params: PackedSeqParams, balance: str) -> ShardRecipe:
     """The recipe for a plain ``PackedSeqParams`` (no sharding attached).
 
@@ -269,6 +283,9 @@ def cp_context(
         )
     else:
         made_by = ctx.made_by
+    assumed = params.cu_seqlens_q_padded is None and (derived or ctx.assumed)
+    if assumed and recipe.balance != TE_LAYOUT and cp_size > 1 and not splits.recorded(cu_host[0], cp_size):
+        raise CPArgumentError(total_off or _unconfirmed(recipe.balance, cu_host[0], cp_size))
     try:
         sharding = recipe.build(cu_host[0], cp_size, name)
     except CPArgumentError as err:
@@ -284,7 +301,7 @@ def cp_context(
             f"{err}. PackedSeqParams without a megatron_cp_ext sharding are taken to be split by "
             f"load_balance={recipe.balance!r} (te: Megatron's own THD split); split the batch with "
             "megatron_cp_ext.megatron.shard_batch_for_cp (its packed_seq_params carry the split), or set "
-            "load_balance (--cp-load-balance) to the balance the batch was split with"
+            "load_balance (--cp-load-balance) to the balance this process split the batch with"
         ) from err
     if total_off and sharding.num_tokens(cp_rank) != tokens:
         raise CPArgumentError(total_off)
@@ -292,7 +309,7 @@ def cp_context(
     if len(cu_host) == 2:
         sharding = separate_padding(sharding, cu_host[1], name="PackedSeqParams.cu_seqlens_q")
     ctx = CPBatchContext(sharding=sharding, rank=cp_rank, recipe=recipe, source=sources, version=version,
-                         layout=layout, made_by=made_by)  # fmt: skip
+                         layout=layout, made_by=made_by, assumed=assumed)  # fmt: skip
     check_split(ctx)
     setattr(params, CONTEXT_ATTR, ctx)
     return ctx

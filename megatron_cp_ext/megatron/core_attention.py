@@ -28,7 +28,8 @@ from megatron.core.transformer.utils import is_layer_window_attention
 
 from .. import COMM_TYPES, cp_attention
 from ..backends import BACKENDS
-from ..runtime.groups import HierarchicalCPGroups
+from ..runtime import agreement
+from ..runtime.groups import HierarchicalCPGroups, cp_groups
 from ..runtime.validation import CPArgumentError, as_bool, as_choice, as_chunk, as_window
 from .context import LAYOUTS, CPBatchContext, check_token_multiple, cp_context
 from .qk_clip import record_max_logit, wants_max_logits
@@ -39,6 +40,10 @@ __all__ = ["CPAttentionOptions", "CPCoreAttention", "hierarchical_groups_from_si
 
 _MASK_CAUSAL = {AttnMaskType.causal: True, AttnMaskType.no_mask: False}
 _MASK_PADDED = {AttnMaskType.padding_causal: True, AttnMaskType.padding: False}
+
+REFUSAL_WAIT_S = 15.0
+"""How long a layer that refuses its micro-batch waits for the other CP ranks in the consistency
+exchange (they reach it in their first attention call; most often they refuse too, at once)."""
 
 _REFUSED_CONFIG_FLAGS: dict[str, str] = {}
 """Config flags whose feature needs something this core attention lacks: refused at build,
@@ -56,8 +61,10 @@ class CPAttentionOptions:
     ``get_batch_on_this_cp_rank`` and the Bridge and NeMo data steps do); documents whose
     lengths are not multiples of ``2*cp`` cannot come from it and are refused. Or one of
     :data:`megatron_cp_ext.BALANCES`, for a pipeline that split with ``shard_sequences(cu, cp,
-    balance)`` (default causal mask). ``cu_seqlens_q_padded`` always means ``"te"``, and params
-    made by ``shard_batch_for_cp`` / ``make_packed_seq_params`` carry their own split."""
+    balance)`` (default causal mask) in this process (``CPSharding.shard``, or a sharding
+    unpickled from a worker): with no split on record, plain params are refused.
+    ``cu_seqlens_q_padded`` always means ``"te"``, and params made by ``shard_batch_for_cp`` /
+    ``make_packed_seq_params`` carry their own split."""
     backend: str = "auto"
     """Local attention kernels: ``auto`` (flash on CUDA, exact reference on CPU) | ``reference`` | ``flash``."""
     chunk_size: int | None = None
@@ -243,12 +250,28 @@ class CPCoreAttention(MegatronModule):
         ``cu_seqlens`` total other than the tokens the ranks hold (``tokens``: this rank's), and
         token counts sequence parallelism cannot scatter.
         """
-        call_group(packed_seq_params, self.cp_group, self.comm_group, self.cp_comm_type, thd=True)
-        ctx = cp_context(packed_seq_params, self.cp_size, self.cp_rank, self.options.load_balance, tokens)
-        if self.sp_multiple > 1 and ctx.sharding is not self._sp_checked:
-            check_token_multiple(ctx.sharding, self.sp_multiple, f"sequence parallelism (TP {self.sp_multiple})")
-            self._sp_checked = ctx.sharding
+        try:
+            call_group(packed_seq_params, self.cp_group, self.comm_group, self.cp_comm_type, thd=True)
+            ctx = cp_context(packed_seq_params, self.cp_size, self.cp_rank, self.options.load_balance, tokens)
+            if self.sp_multiple > 1 and ctx.sharding is not self._sp_checked:
+                check_token_multiple(ctx.sharding, self.sp_multiple, f"sequence parallelism (TP {self.sp_multiple})")
+                self._sp_checked = ctx.sharding
+        except CPArgumentError as err:
+            self._refuse_everywhere(err)
         return ctx
+
+    def _refuse_everywhere(self, err: CPArgumentError) -> None:
+        """Raise ``err`` on every CP rank: a rank whose data was split otherwise (it recorded
+        another split, or none) would else attend alone and wait in its first exchange. This
+        rank joins ``cp_attention``'s consistency exchange with the error flag (never returns)."""
+        comm = self.cp_comm_type if self.cp_size > 1 else "p2p"
+        if comm == "auto":
+            comm = "a2a+p2p" if isinstance(self.comm_group, (list, tuple)) else "p2p"
+        try:
+            groups = cp_groups(self.comm_group, comm)
+        except (TypeError, ValueError):
+            raise err from None
+        agreement.raise_everywhere(err, groups, self.cp_size, self.cp_rank, wait=REFUSAL_WAIT_S)
 
     @torch.compiler.disable(reason="host side: the micro-batch's sharding and its checks")
     def local_positions(self, packed_seq_params: PackedSeqParams, s_local: int, device) -> torch.Tensor:

@@ -129,12 +129,14 @@ def _raise_reported(sigs: list[dict], path: ExchangePath, own: str, timeout: flo
     raise cls(f"{by_rank[first['global_rank']]} [input rejected on {where}; raised on every CP rank]")
 
 
-def raise_everywhere(err: Exception, groups: CPGroups | None, cp_size: int | None, cp_rank: int = -1) -> None:
+def raise_everywhere(
+    err: Exception, groups: CPGroups | None, cp_size: int | None, cp_rank: int = -1, wait: float = ERROR_WAIT_S
+) -> None:
     """Raise a rank's own argument error on every CP rank (it never returns).
 
     The rank joins the exchange with an error flag; ranks that exchange at the same time
     (first call of a micro-batch, or check mode) see the flag and raise the same error. If no
-    rank joins within :data:`ERROR_WAIT_S`, or there is no group to talk on, it raises alone.
+    rank joins within ``wait`` seconds, or there is no group to talk on, it raises alone.
     """
     path = exchange_path(groups, cp_size)
     if path is None:
@@ -142,13 +144,13 @@ def raise_everywhere(err: Exception, groups: CPGroups | None, cp_size: int | Non
     code = 2 if isinstance(err, TypeError) else 3 if isinstance(err, CPRankMismatchError) else 1
     sig = signature(error=code, global_rank=dist.get_rank(), cp_rank=cp_rank)
     try:
-        sigs = [dict(zip(FIELDS, s)) for s in _gather(list(sig), path, ERROR_WAIT_S)]
-        _raise_reported(sigs, path, str(err), ERROR_WAIT_S)
+        sigs = [dict(zip(FIELDS, s)) for s in _gather(list(sig), path, wait)]
+        _raise_reported(sigs, path, str(err), wait)
     except CPArgumentError as everywhere:
         raise everywhere from err  # keep this rank's own traceback
     except TimeoutError:
         err.add_note(
-            f"(no other CP rank joined the consistency exchange within {ERROR_WAIT_S}s: they may be "
+            f"(no other CP rank joined the consistency exchange within {wait}s: they may be "
             "running attention on a cached plan; pass check=True on every rank to compare every call)"
         )
         raise err from None

@@ -6,8 +6,9 @@ One seed draws: the world size, the comm type (``a2a+p2p`` with hierarchical siz
 2]``), the head layout (MHA, GQA, MQA, odd counts), 1–3 layers, a causal sliding window or
 none (every other layer full with ``window_attn_skip_freq``), chunked attention, packed
 lengths with many 0- and 1-length documents, and how the batch reaches the layers: split by a
-pipeline's own ``shard_sequences`` and handed over as a plain ``PackedSeqParams`` (the layers'
-``load_balance`` names that split: workload, dualchunk or contiguous), or split by
+pipeline's own ``shard_sequences`` (``shard``: recorded) and handed over as a plain
+``PackedSeqParams`` (the layers' ``load_balance`` names that split: workload, dualchunk or
+contiguous), or split by
 ``make_packed_seq_params`` whose params carry the (mask-balanced) sharding. Needs megatron-core.
 """
 
@@ -98,6 +99,7 @@ def block_case(rank: int, world: int, cfg: dict) -> dict[str, float]:
     whole = make_packed_seq_params(cu)
     table = CPRotaryEmbedding(HEAD_DIM)(max(cfg["lens"]) + 1)
     x = torch.randn(int(cu[-1]), 1, cfg["heads"] * HEAD_DIM, generator=torch.Generator().manual_seed(1))
+    sharding.shard(x, rank)  # the pipeline's data split (recorded: it confirms load_balance to the layers)
 
     def run(module, inp, is_cp):
         return module(inp, attention_mask=None, rotary_pos_emb=table, packed_seq_params=params if is_cp else whole)

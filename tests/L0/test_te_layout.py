@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import megatron_cp_ext as mcx
+from megatron_cp_ext.sharding import splits
 from megatron_cp_ext.sharding.te_layout import separate_padding
 
 
@@ -86,7 +87,14 @@ def test_padded_cu_seqlens_mean_the_te_split_whatever_the_balance() -> None:
     assert ctx.sharding.balance == "te" and ctx.sharding.cu_seqlens == (0, 3, 4, 9, 12)
     with pytest.raises(mcx.CPArgumentError, match="cu_seqlens_q describe sequence 0 of length 3.*shard_batch_for_cp"):
         cp_context(_plain(real), 2, 0)  # Megatron's split cannot have produced these lengths
-    assert cp_context(_plain(real), 2, 0, "workload").sharding.balance == "workload"
+    splits.clear()
+    with pytest.raises(mcx.CPArgumentError, match="nothing confirms load_balance='workload'"):
+        cp_context(_plain(real), 2, 0, "workload")  # no split of this batch on record
+    try:
+        mcx.shard_sequences(real, 2).shard(torch.zeros(8), 0)  # this process split the data: recorded
+        assert cp_context(_plain(real), 2, 0, "workload").sharding.balance == "workload"
+    finally:
+        splits.clear()
 
 
 def test_padding_becomes_sequences_of_its_own_in_the_same_local_order() -> None:

@@ -61,6 +61,8 @@ def mixed_case(rank: int, world: int, how: str) -> dict[str, float]:
     glob = make_packed_seq_params(cu)
     table = CPRotaryEmbedding(8)(128)
     x = torch.randn(int(cu[-1]), 1, HIDDEN, generator=torch.Generator().manual_seed(1))
+    # the data split (recorded: the layers confirm load_balance against it); rows as by index
+    assert torch.equal(sharding.shard(x, rank), x[torch.as_tensor(sharding.global_index(rank))])
 
     def run(module, inp, is_cp):
         psp = params if is_cp else glob

@@ -98,6 +98,11 @@ def split(data: str, made: str, lengths: list[int], world: int, group):
         sh = mcx.shard_sequences(docs, world)
     elif data in DATA:
         sh = mcx.shard_sequences(cu, world, balance=DATA[data])
+    elif data.startswith("index-"):  # the package's split applied by index: nothing recorded
+        sh, lay = None, mcx.shard_sequences(cu, world, balance=data[len("index-") :])
+    elif data == "rank0-recorded":  # the same split everywhere, recorded on CP rank 0 only
+        lay = mcx.shard_sequences(cu, world)
+        sh = lay if rank == 0 else None
     elif data == "te":
         sh = te_thd_sharding(cu, world)
     else:  # Megatron's pipeline: TransformerEngine's split done outside the package (nothing recorded)
@@ -129,19 +134,22 @@ def split(data: str, made: str, lengths: list[int], world: int, group):
     return idx, cut, params, docs
 
 
-def core_case(rank: int, world: int, data: str, made: str, lengths: list[int], comm: str, window) -> dict:
+def core_case(
+    rank: int, world: int, data: str, made: str, lengths: list[int], comm: str, window, balance: str = "te"
+) -> dict:
     """``CPCoreAttention`` on this rank's rows against dense fp64 attention over the whole
     batch: output rows and the gradients of this rank's q, k, v rows (one global loss)."""
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.enums import AttnMaskType
 
     from megatron_cp_ext import CPArgumentError
-    from megatron_cp_ext.megatron import CPCoreAttention
+    from megatron_cp_ext.megatron import CPAttentionOptions, CPCoreAttention
     from megatron_cp_ext.testing.reference import dense_attention
 
     group = _setup(world, comm)
     core = CPCoreAttention(_config(world, comm, window), 1, AttnMaskType.causal,
-                           pg_collection=ProcessGroupCollection.use_mpu_process_groups())  # fmt: skip
+                           pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
+                           options=CPAttentionOptions(load_balance=balance))  # fmt: skip
     try:
         idx, cut, params, docs = split(data, made, lengths, world, group)
         n = docs[-1]
@@ -279,6 +287,43 @@ def test_transformer_layer_agrees_or_refuses(world, combo, comm, window):
         _exact(results, 2e-5)
     else:
         _one_error_everywhere(results, *needles)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("data", ["index-workload", "megatron-te", "readme", "dualchunk", "index-dualchunk"])
+@pytest.mark.parametrize("balance", ["workload", "dualchunk", "contiguous"])
+def test_load_balance_needs_the_data_split_on_record(balance, data, world):
+    """Plain params under a non-``te`` ``load_balance``: the layer runs only on a split this
+    process made and recorded (the same balance: exact; another: the mismatch). Data split
+    outside the package, by Megatron's own TransformerEngine split or by the package's split
+    applied by index, refuses on every rank (the first was silently wrong)."""
+    lengths = [32, 120, 0, 64, 200, 8]  # multiples of 2cp at CP 2 and 4: TE's split takes them
+    results = run_on_ranks(world, core_case, data, "plain", lengths, "p2p", None, balance)
+    if data.startswith("index-") or data.startswith("megatron"):
+        _one_error_everywhere(results, "nothing confirms load_balance", "load_balance='te'", "sharding=")
+    elif _same_rows(lengths, world, DATA[data], balance):  # e.g. workload choosing the dual-chunk cut
+        _exact(results, 1e-10)
+    else:
+        _one_error_everywhere(results, "CP split mismatch", f"load_balance={balance!r}")
+
+
+def test_a_rank_that_alone_cannot_confirm_the_split_stops_every_rank():
+    """CP rank 0 recorded its data's split, rank 1 cut the same rows by index: rank 1 refuses
+    (nothing confirms ``load_balance``) and rank 0, which could run, raises the same error in
+    its first exchange instead of waiting for rank 1 there."""
+    results = run_on_ranks(
+        2, core_case, "rank0-recorded", "plain", [32, 120, 0, 64], "p2p", None, "workload", timeout=120
+    )
+    _one_error_everywhere(results, "nothing confirms load_balance")
+
+
+def _same_rows(lengths: list[int], world: int, a: str, b: str) -> bool:
+    """Whether two balances give every rank the same global rows (not through the split record)."""
+    import megatron_cp_ext as mcx
+
+    cu = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    x, y = (mcx.shard_sequences(cu, world, balance=n) for n in (a, b))
+    return all(list(x.global_index(r)) == list(y.global_index(r)) for r in range(world))
 
 
 def sbhd_case(rank: int, world: int, data: str, comm: str) -> dict:
