@@ -10,7 +10,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-__all__ = ["setup_parallel_state", "cp_vs_cp1_errors", "token_batches", "model_vs_cp1_errors"]
+__all__ = ["setup_parallel_state", "cp_vs_cp1_errors", "token_batches", "model_vs_cp1_errors", "megatron_dual_chunk"]
 
 
 def setup_parallel_state(cp: int, hcp_sizes: tuple[int, ...] | None = None, tp: int = 1, hybrid: bool = False) -> None:
@@ -45,6 +45,21 @@ def setup_parallel_state(cp: int, hcp_sizes: tuple[int, ...] | None = None, tp: 
         hierarchical_context_parallel_sizes=list(hcp_sizes) if hcp_sizes else None,
         **kwargs,
     )
+
+
+def megatron_dual_chunk(batch: dict, group) -> dict:
+    """Megatron's own dual-chunk split of ``[b, s, ...]`` tensors over ``group`` (None: not
+    split): ``get_batch_on_this_cp_rank(batch, cp_group=)`` in 0.16; from 0.19 the same function
+    takes ``is_hybrid_cp`` first and, for a batch without ``cu_seqlens``, splits alike."""
+    import inspect
+
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    if group is None:
+        return batch
+    if "is_hybrid_cp" in inspect.signature(get_batch_on_this_cp_rank).parameters:
+        return get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=group)
+    return get_batch_on_this_cp_rank(batch, cp_group=group)
 
 
 def _groups_of(parallel_state) -> list:

@@ -50,28 +50,13 @@ def _layers(comm: str):
     return layer, ref
 
 
-def _split(batch: dict, group) -> dict:
-    """Megatron's dual-chunk split of a whole sub-sample over ``group`` (None: not split):
-    ``get_batch_on_this_cp_rank(batch, cp_group=)`` in 0.16; in 0.19 the same function takes
-    ``is_hybrid_cp`` first and, for a batch without ``cu_seqlens``, splits per sequence alike."""
-    import inspect
-
-    from megatron.core.utils import get_batch_on_this_cp_rank
-
-    if group is None:
-        return batch
-    if "is_hybrid_cp" in inspect.signature(get_batch_on_this_cp_rank).parameters:
-        return get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=group)
-    return get_batch_on_this_cp_rank(batch, cp_group=group)
-
-
 def hybrid_case(rank: int, world: int, comm: str) -> dict:
     """Worker: max |hybrid CP - CP 1| per sub-group size."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
     from megatron_cp_ext.megatron import CPRotaryEmbedding
-    from megatron_cp_ext.testing.megatron import setup_parallel_state
+    from megatron_cp_ext.testing.megatron import megatron_dual_chunk, setup_parallel_state
 
     setup_parallel_state(1, hybrid=True)
     layer, ref = _layers(comm)
@@ -83,7 +68,9 @@ def hybrid_case(rank: int, world: int, comm: str) -> dict:
         gen = torch.Generator().manual_seed(100 * n + first)  # one sub-sample per sub-group
         x = torch.randn(SEQ, 1, HIDDEN, generator=gen)
         w = torch.randn(SEQ, 1, HIDDEN, generator=gen)
-        local = _split({"x": x.transpose(0, 1), "w": w.transpose(0, 1), "pos": torch.arange(SEQ)[None]}, group)
+        local = megatron_dual_chunk(
+            {"x": x.transpose(0, 1), "w": w.transpose(0, 1), "pos": torch.arange(SEQ)[None]}, group
+        )
         x_loc, w_loc, idx = local["x"].transpose(0, 1), local["w"].transpose(0, 1), local["pos"][0]
         for m in (layer, ref):
             m.zero_grad(set_to_none=True)

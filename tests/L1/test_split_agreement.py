@@ -332,10 +332,10 @@ def sbhd_case(rank: int, world: int, data: str, comm: str) -> dict:
     against dense fp64 attention over each whole sample."""
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.enums import AttnMaskType
-    from megatron.core.utils import get_batch_on_this_cp_rank
 
     import megatron_cp_ext as mcx
     from megatron_cp_ext.megatron import CPCoreAttention
+    from megatron_cp_ext.testing.megatron import megatron_dual_chunk
     from megatron_cp_ext.testing.reference import dense_attention
 
     group = _setup(world, comm)
@@ -345,7 +345,7 @@ def sbhd_case(rank: int, world: int, data: str, comm: str) -> dict:
     g = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(s, b, h, DIM, generator=g, dtype=torch.float64) for h in (HEADS, GROUPS, GROUPS))
     if data == "megatron":  # Megatron's own pipeline: [b, s, ...] batches, nothing recorded
-        got = get_batch_on_this_cp_rank({n: x.transpose(0, 1) for n, x in zip("qkv", (q, k, v))}, cp_group=group)
+        got = megatron_dual_chunk({n: x.transpose(0, 1) for n, x in zip("qkv", (q, k, v))}, group)
         local = [got[n].transpose(0, 1) for n in "qkv"]
         rows = torch.as_tensor(mcx.shard_sequences([0, s], world, balance="dualchunk").global_index(rank))
     else:
