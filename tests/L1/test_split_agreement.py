@@ -289,15 +289,23 @@ def test_transformer_layer_agrees_or_refuses(world, combo, comm, window):
         _one_error_everywhere(results, *needles)
 
 
-@pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("data", ["index-workload", "megatron-te", "readme", "dualchunk", "index-dualchunk"])
-@pytest.mark.parametrize("balance", ["workload", "dualchunk", "contiguous"])
-def test_load_balance_needs_the_data_split_on_record(balance, data, world):
+BALANCE_CASES = [
+    pytest.param(balance, data, world, lengths, id=f"{balance}-{data}-{world}-{name}")
+    for world in (2, 4)
+    for data in ("index-workload", "megatron-te", "readme", "dualchunk", "index-dualchunk")
+    for balance in ("workload", "dualchunk", "contiguous")
+    # multiples of 2cp at CP 2 and 4 (TE's split takes them), and lengths that are not
+    for name, lengths in (("2cp", [32, 120, 0, 64, 200, 8]), ("odd", ODD))
+    if not (data == "megatron-te" and name == "odd")
+]
+
+
+@pytest.mark.parametrize("balance,data,world,lengths", BALANCE_CASES)
+def test_load_balance_needs_the_data_split_on_record(balance, data, world, lengths):
     """Plain params under a non-``te`` ``load_balance``: the layer runs only on a split this
     process made and recorded (the same balance: exact; another: the mismatch). Data split
     outside the package, by Megatron's own TransformerEngine split or by the package's split
     applied by index, refuses on every rank (the first was silently wrong)."""
-    lengths = [32, 120, 0, 64, 200, 8]  # multiples of 2cp at CP 2 and 4: TE's split takes them
     results = run_on_ranks(world, core_case, data, "plain", lengths, "p2p", None, balance)
     if data.startswith("index-") or data.startswith("megatron"):
         _one_error_everywhere(results, "nothing confirms load_balance", "load_balance='te'", "sharding=")
