@@ -191,10 +191,6 @@ MEGATRON_FIX = (
 """What a Megatron layer's split-mismatch message tells the user to do."""
 
 
-def _mismatch(data: tuple, layer: str, cu: tuple | list, cp_size: int, mine: splits.Split | None = None) -> str:
-    return splits.mismatch(data, layer, cu, cp_size, mine, MEGATRON_FIX)
-
-
 def _unconfirmed(balance: str, cu: list[int], cp_size: int) -> str:
     """Why plain params under a non-``te`` ``load_balance`` need the data's split on record."""
     return (
@@ -294,7 +290,7 @@ def cp_context(
         data = splits.recorded(cu_host[0], cp_size) if derived else ()
         if data:  # the data got a split this layer cannot even build: say so, not the layout rule
             layer = f"a {recipe.balance!r} split, {made_by}, which refuses this batch ({err})"
-            raise CPArgumentError(_mismatch(data, layer, cu_host[0], cp_size)) from err
+            raise CPArgumentError(splits.mismatch(data, layer, cu_host[0], cp_size, None, MEGATRON_FIX)) from err
         if ctx is not None or isinstance(err, TypeError):
             raise
         raise CPArgumentError(

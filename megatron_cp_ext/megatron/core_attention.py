@@ -14,7 +14,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -260,7 +260,7 @@ class CPCoreAttention(MegatronModule):
             self._refuse_everywhere(err)
         return ctx
 
-    def _refuse_everywhere(self, err: CPArgumentError) -> None:
+    def _refuse_everywhere(self, err: CPArgumentError) -> NoReturn:
         """Raise ``err`` on every CP rank: a rank whose data was split otherwise (it recorded
         another split, or none) would else attend alone and wait in its first exchange. This
         rank joins ``cp_attention``'s consistency exchange with the error flag (never returns)."""

@@ -163,7 +163,7 @@ def disagreement(sharding: CPSharding, layer: str, fix: str) -> str | None:
     """The mismatch message when data with ``sharding``'s ``cu_seqlens`` was split (in this
     process) only by other splits than ``sharding``'s, else None. ``layer`` says where the
     attention's split came from. A generation compare per call once checked (the hot path)."""
-    gen = _GEN[0]
+    gen = generation()
     if sharding.cp_size < 2 or sharding._cache.get("checked_gen") == gen:
         return None
     data = recorded(sharding.cu_seqlens, sharding.cp_size)
