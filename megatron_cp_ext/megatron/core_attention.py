@@ -276,19 +276,57 @@ class CPCoreAttention(MegatronModule):
     @torch.compiler.disable(reason="host side: the micro-batch's sharding and its checks")
     def local_positions(self, packed_seq_params: PackedSeqParams, s_local: int, device) -> torch.Tensor:
         """Position in its sequence of each of this rank's ``s_local`` THD tokens (for RoPE),
-        after checking that the batch was split the way the micro-batch's sharding says.
-        Not traced by dynamo (one graph break): the token dim of the result is dynamic."""
+        after :meth:`layer_context`'s checks. Not traced by dynamo (one graph break): the token
+        dim of the result is dynamic."""
+        positions = self.layer_context(packed_seq_params, s_local).positions(device)
+        torch._dynamo.maybe_mark_dynamic(positions, 0)  # no recompile for the next micro-batch's count
+        return positions
+
+    def layer_context(self, packed_seq_params: PackedSeqParams, s_local: int) -> CPBatchContext:
+        """:meth:`batch_context` for a Megatron attention layer holding ``s_local`` THD tokens:
+        also checks that the batch was split the way the micro-batch's sharding says, and
+        refuses a split that leaves a CP rank no tokens. ``CPCoreAttention`` alone runs such a
+        rank, but Megatron's attention layers cannot (their q/k/v reshapes fail on zero rows,
+        and the other ranks would wait in their first exchange); the counts are host values
+        every rank shares, so every rank refuses alike, before Megatron's code runs."""
         ctx = self.batch_context(packed_seq_params, s_local)
-        positions = ctx.positions(device)
-        if positions.shape[0] != s_local:
+        counts = ctx.sharding.counts()
+        if counts[ctx.rank] != s_local:
             raise CPArgumentError(
                 f"CP rank {ctx.rank} holds {s_local} tokens, but the micro-batch's {ctx.sharding.balance!r} sharding "
-                f"gives it {positions.shape[0]} (counts {ctx.sharding.counts()}): the batch was split differently "
+                f"gives it {counts[ctx.rank]} (counts {counts}): the batch was split differently "
                 "from the layout the attention uses. Split it with shard_batch_for_cp (its packed_seq_params carry "
                 "the split), or set cu_seqlens_q_padded when it was split by TransformerEngine's THD split"
             )
-        torch._dynamo.maybe_mark_dynamic(positions, 0)  # no recompile for the next micro-batch's count
-        return positions
+        if self.cp_size > 1 and min(counts) == 0:
+            self._refuse_everywhere(
+                CPArgumentError(
+                    f"the micro-batch's {ctx.sharding.balance!r} split gives CP rank {counts.index(0)} no tokens "
+                    f"(counts {list(counts)}, {ctx.sharding.total_tokens} tokens over CP {self.cp_size}): Megatron's "
+                    "attention layers cannot run a CP rank without tokens. Pack at least one token per CP rank into "
+                    "every micro-batch (pad it), or run CPCoreAttention alone"
+                )
+            )
+        return ctx
+
+    def check_rope_rows(self, packed_seq_params: PackedSeqParams, rows: int) -> None:
+        """A RoPE table of ``rows`` positions covers the micro-batch's longest sequence, or the
+        same error on every rank. Megatron sizes the table from ``max_seqlen_q``; one too small
+        would fail only on the ranks holding the far positions (an index error on the CPU, a
+        device assert on a GPU) while the others wait. Host values every rank shares."""
+        sharding = self.batch_context(packed_seq_params).sharding
+        longest = sharding._cache.get("longest")
+        if longest is None:
+            cu = sharding.cu_seqlens
+            longest = sharding._cache["longest"] = max((b - a for a, b in zip(cu[:-1], cu[1:])), default=0)
+        if rows < longest:
+            self._refuse_everywhere(
+                CPArgumentError(
+                    f"rotary_pos_emb has {rows} positions, but the micro-batch's longest sequence has {longest} "
+                    "tokens: PackedSeqParams.max_seqlen_q (which Megatron sizes the RoPE table from) must be at least "
+                    "the longest sequence"
+                )
+            )
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
         """The learnable softmax offset, sharded like Megatron's own attention's."""
@@ -338,9 +376,9 @@ class CPCoreAttention(MegatronModule):
         )
         if thd:
             out = self._attend(query, key, value, packed_seq_params, qkv_format="thd", **kwargs)
-            return out.reshape(out.shape[0], -1)
+            return out.flatten(-2)  # [t, h * d]; also for a rank that holds no tokens
         out = self._attend(query, key, value, None, qkv_format="sbhd", **kwargs)
-        return out.reshape(out.shape[0], out.shape[1], -1)
+        return out.flatten(-2)
 
     @torch.compiler.disable(reason="host side: the micro-batch's sharding, cp_attention, the max-logit record")
     def _attend(self, query, key, value, packed_seq_params: PackedSeqParams | None, **kwargs: Any) -> torch.Tensor:

@@ -100,6 +100,7 @@ class CPSelfAttention(SelfAttention):
         s_local = _local_seq_len(self, hidden_states)
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             positions = self.core_attention.local_positions(packed_seq_params, s_local, rotary_pos_emb.device)
+            self.core_attention.check_rope_rows(packed_seq_params, rotary_pos_emb.shape[0])
         return local_rope_freqs(rotary_pos_emb, positions=positions, s_local=s_local, cp_size=cp_size, cp_rank=cp_rank)
 
     def forward(self, hidden_states, attention_mask, *args: Any, **kwargs: Any):
@@ -109,7 +110,10 @@ class CPSelfAttention(SelfAttention):
         call.pop("self")
         if call.get("inference_context") is not None or call.get("inference_params") is not None:
             raise ValueError("CPSelfAttention is for training; run inference with Megatron's own attention")
-        self._rope_freqs = self._local_freqs(call.get("rotary_pos_emb"), hidden_states, call.get("packed_seq_params"))
+        params = call.get("packed_seq_params")
+        if params is not None and params.qkv_format == "thd":  # with or without RoPE: the split's checks first
+            self.core_attention.layer_context(params, _local_seq_len(self, hidden_states))
+        self._rope_freqs = self._local_freqs(call.get("rotary_pos_emb"), hidden_states, params)
         call["rotary_pos_emb"] = None
         try:
             return super().forward(**call)

@@ -133,6 +133,11 @@ def as_scale(value: object, name: str = "softmax_scale") -> float | None:
     return out
 
 
+MAX_EXTENT = 2**62
+"""Largest window side or chunk accepted: anything past a sequence's length acts alike, and
+the cross-rank exchange carries these values as int64."""
+
+
 def as_window(value: object, name: str = "window_size") -> tuple[int, int]:
     """``(left, right)``: two ints >= -1 (-1 = unbounded; ``(-1, -1)`` = no window)."""
     what = f"{name} must be a (left, right) pair of ints >= -1 (-1 = unbounded; (-1, -1) = no window)"
@@ -140,8 +145,8 @@ def as_window(value: object, name: str = "window_size") -> tuple[int, int]:
         raise CPArgumentTypeError(f"{what}, {_got(value)}")
     if len(value) != 2:
         raise CPArgumentError(f"{what}, got {len(value)} entries: {value!r}")
-    left = as_int(value[0], f"{name}[0] (left)", minimum=-1)
-    right = as_int(value[1], f"{name}[1] (right)", minimum=-1)
+    left = as_int(value[0], f"{name}[0] (left)", minimum=-1, maximum=MAX_EXTENT)
+    right = as_int(value[1], f"{name}[1] (right)", minimum=-1, maximum=MAX_EXTENT)
     return left, right
 
 
@@ -151,8 +156,8 @@ def as_chunk(value: object, name: str = "chunk_size") -> int | None:
         return None
     if not _is_int(value):
         raise CPArgumentTypeError(f"{name} must be None or an int >= 1, {_got(value)}")
-    if int(value) < 1:
-        raise CPArgumentError(f"{name} must be None or an int >= 1, got {int(value)}")
+    if not 1 <= int(value) <= MAX_EXTENT:
+        raise CPArgumentError(f"{name} must be None or an int in [1, 2**62], got {int(value)}")
     return int(value)
 
 

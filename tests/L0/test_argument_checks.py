@@ -193,3 +193,9 @@ def test_attention_options_are_strict_and_flag_sets_check():
     args = add_arguments(argparse.ArgumentParser()).parse_args(["--cp-attention-check"])
     assert cp_attention_options_from_args(args).check is True
     assert cp_attention_options_from_args(add_arguments(argparse.ArgumentParser()).parse_args([])).check is False
+
+
+def test_device_cu_seqlens_named_by_the_package_error():
+    """Plans are built on the host: a device ``cu_seqlens`` is refused as the other bad inputs are."""
+    with pytest.raises(VE, match="cu_seqlens must be a CPU tensor"):
+        mcx.shard_sequences(torch.tensor([0, 4, 8], device="meta"), 2)

@@ -203,6 +203,9 @@ def test_shardings_and_plans_pickle():
     (dict(causal=True, window_size=(-2, -1)), "window_size"),
     (dict(causal=True, window_size=(1, 2, 3)), "window_size"),
     (dict(causal=True, chunk_size=0), "chunk_size"),
+    (dict(causal=True, chunk_size=2**63), "chunk_size"),  # the cross-rank exchange carries int64
+    (dict(causal=True, window_size=(2**63, 0)), "window_size"),
+    (dict(causal=False, window_size=(0, 2**64)), "window_size"),
     (dict(causal="yes"), "causal"),
 ])  # fmt: skip
 def test_mask_validation(kw, match):

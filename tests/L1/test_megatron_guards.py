@@ -165,3 +165,32 @@ def group_case(rank: int, world: int) -> str:
 def test_per_call_cp_group_is_refused_on_every_rank() -> None:
     for msg in run_on_ranks(2, group_case, timeout=120):
         assert "PackedSeqParams.cp_group" in msg and "hybrid CP" in msg, msg
+
+
+def rope_case(rank: int, world: int, rows: int) -> str:
+    """Worker: a block on a batch whose longest sequence (40 tokens, held by rank 0 under TE's
+    split only in part) is longer than the RoPE table (Megatron sizes it from ``max_seqlen_q``)."""
+    from megatron.core import parallel_state
+
+    import megatron_cp_ext as mcx
+    from megatron_cp_ext.megatron import CPRotaryEmbedding, make_packed_seq_params
+    from megatron_cp_ext.testing.megatron import setup_parallel_state
+
+    setup_parallel_state(world)
+    block = _block(world)
+    cu = [0, 8, 48, 60]
+    params = make_packed_seq_params(cu, cp_group=parallel_state.get_context_parallel_group())
+    n = params._mcx_cp_context.sharding.num_tokens(rank)
+    try:
+        block(torch.randn(n, 1, HIDDEN), attention_mask=None, rotary_pos_emb=CPRotaryEmbedding(8)(rows),
+              packed_seq_params=params)  # fmt: skip
+    except mcx.CPArgumentError as err:
+        return str(err)
+    return "ran"
+
+
+def test_a_rope_table_shorter_than_the_longest_sequence_is_refused_everywhere() -> None:
+    """An index error on some ranks only (a device assert on a GPU) would leave the others waiting."""
+    for rows, want in ((39, "rotary_pos_emb has 39 positions"), (40, "ran")):
+        results = run_on_ranks(2, rope_case, rows, timeout=120)
+        assert len(set(results)) == 1 and want in results[0], results

@@ -69,6 +69,26 @@ def test_a_rank_that_alone_cannot_confirm_the_split_stops_every_rank():
     _one_error_everywhere(results, "nothing confirms load_balance")
 
 
+def two_micro_batches(rank: int, world: int, second: str, balance: str) -> list[dict]:
+    """Micro-batch A split by the package's workload split, then micro-batch B with the very
+    same ``cu_seqlens`` split by ``second``; plain params for both, in one process."""
+    lengths = [32, 120, 0, 64, 200, 8]
+    return [core_case(rank, world, data, "plain", lengths, "p2p", None, balance) for data in ("readme", second)]
+
+
+@pytest.mark.parametrize("second", ["readme", "megatron-te"])
+def test_a_split_confirms_one_micro_batch_only(second):
+    """B split by Megatron's own step records nothing: A's split, already taken by A's layers,
+    must not vouch for B (it did: B ran on A's split, max error 2.05 against dense fp64). B
+    split by the package again runs."""
+    results = run_on_ranks(2, two_micro_batches, second, "workload", timeout=120)
+    _exact([r[0] for r in results], 1e-10)
+    if second == "readme":
+        _exact([r[1] for r in results], 1e-10)
+    else:
+        _one_error_everywhere([r[1] for r in results], "nothing confirms load_balance='workload'")
+
+
 def _same_rows(lengths: list[int], world: int, a: str, b: str) -> bool:
     """Whether two balances give every rank the same global rows (not through the split record)."""
     import megatron_cp_ext as mcx
