@@ -274,21 +274,26 @@ class CPCoreAttention(MegatronModule):
         agreement.raise_everywhere(err, groups, self.cp_size, self.cp_rank, wait=REFUSAL_WAIT_S)
 
     @torch.compiler.disable(reason="host side: the micro-batch's sharding and its checks")
-    def local_positions(self, packed_seq_params: PackedSeqParams, s_local: int, device) -> torch.Tensor:
+    def local_positions(
+        self, packed_seq_params: PackedSeqParams, s_local: int, device, rope_rows: int | None = None
+    ) -> torch.Tensor:
         """Position in its sequence of each of this rank's ``s_local`` THD tokens (for RoPE),
-        after :meth:`layer_context`'s checks. Not traced by dynamo (one graph break): the token
-        dim of the result is dynamic."""
-        positions = self.layer_context(packed_seq_params, s_local).positions(device)
+        after :meth:`layer_context`'s checks and, given the RoPE table's ``rope_rows``, that
+        it covers the longest sequence. Not traced by dynamo (one graph break): the token dim
+        of the result is dynamic."""
+        ctx = self.layer_context(packed_seq_params, s_local)
+        if rope_rows is not None:
+            self._check_rope_rows(ctx, rope_rows)
+        positions = ctx.positions(device)
         torch._dynamo.maybe_mark_dynamic(positions, 0)  # no recompile for the next micro-batch's count
         return positions
 
+    @torch.compiler.disable(reason="host side: the micro-batch's sharding and its checks")
     def layer_context(self, packed_seq_params: PackedSeqParams, s_local: int) -> CPBatchContext:
-        """:meth:`batch_context` for a Megatron attention layer holding ``s_local`` THD tokens:
-        also checks that the batch was split the way the micro-batch's sharding says, and
-        refuses a split that leaves a CP rank no tokens. ``CPCoreAttention`` alone runs such a
-        rank, but Megatron's attention layers cannot (their q/k/v reshapes fail on zero rows,
-        and the other ranks would wait in their first exchange); the counts are host values
-        every rank shares, so every rank refuses alike, before Megatron's code runs."""
+        """:meth:`batch_context` for a Megatron attention layer holding ``s_local`` THD tokens,
+        checking that count, and refusing on every rank (host counts, before Megatron's code
+        runs) a split that leaves a CP rank no tokens: ``CPCoreAttention`` alone runs such a
+        rank, Megatron's q/k/v reshapes fail on it while the other ranks wait."""
         ctx = self.batch_context(packed_seq_params, s_local)
         counts = ctx.sharding.counts()
         if counts[ctx.rank] != s_local:
@@ -309,16 +314,14 @@ class CPCoreAttention(MegatronModule):
             )
         return ctx
 
-    def check_rope_rows(self, packed_seq_params: PackedSeqParams, rows: int) -> None:
-        """A RoPE table of ``rows`` positions covers the micro-batch's longest sequence, or the
-        same error on every rank. Megatron sizes the table from ``max_seqlen_q``; one too small
-        would fail only on the ranks holding the far positions (an index error on the CPU, a
-        device assert on a GPU) while the others wait. Host values every rank shares."""
-        sharding = self.batch_context(packed_seq_params).sharding
-        longest = sharding._cache.get("longest")
+    def _check_rope_rows(self, ctx: CPBatchContext, rows: int) -> None:
+        """The RoPE table (sized by Megatron from ``max_seqlen_q``) covers the longest sequence,
+        or the same error on every rank: a short one fails only on the ranks holding far
+        positions (a device assert on a GPU) while the others wait. Host values only."""
+        cu = ctx.sharding.cu_seqlens
+        longest = ctx.sharding._cache.get("longest")
         if longest is None:
-            cu = sharding.cu_seqlens
-            longest = sharding._cache["longest"] = max((b - a for a, b in zip(cu[:-1], cu[1:])), default=0)
+            longest = ctx.sharding._cache["longest"] = max((b - a for a, b in zip(cu[:-1], cu[1:])), default=0)
         if rows < longest:
             self._refuse_everywhere(
                 CPArgumentError(

@@ -99,8 +99,8 @@ class CPSelfAttention(SelfAttention):
         positions = None
         s_local = _local_seq_len(self, hidden_states)
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
-            positions = self.core_attention.local_positions(packed_seq_params, s_local, rotary_pos_emb.device)
-            self.core_attention.check_rope_rows(packed_seq_params, rotary_pos_emb.shape[0])
+            core = self.core_attention
+            positions = core.local_positions(packed_seq_params, s_local, rotary_pos_emb.device, rotary_pos_emb.shape[0])
         return local_rope_freqs(rotary_pos_emb, positions=positions, s_local=s_local, cp_size=cp_size, cp_rank=cp_rank)
 
     def forward(self, hidden_states, attention_mask, *args: Any, **kwargs: Any):
@@ -111,9 +111,9 @@ class CPSelfAttention(SelfAttention):
         if call.get("inference_context") is not None or call.get("inference_params") is not None:
             raise ValueError("CPSelfAttention is for training; run inference with Megatron's own attention")
         params = call.get("packed_seq_params")
-        if params is not None and params.qkv_format == "thd":  # with or without RoPE: the split's checks first
-            self.core_attention.layer_context(params, _local_seq_len(self, hidden_states))
         self._rope_freqs = self._local_freqs(call.get("rotary_pos_emb"), hidden_states, params)
+        if self._rope_freqs is None and params is not None and params.qkv_format == "thd":
+            self.core_attention.layer_context(params, _local_seq_len(self, hidden_states))  # no RoPE: the checks
         call["rotary_pos_emb"] = None
         try:
             return super().forward(**call)

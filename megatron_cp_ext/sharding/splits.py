@@ -157,6 +157,8 @@ def claim(sharding: CPSharding, rank: int, layer: str, fix: str) -> str | None:
         hit = next((i for i in mine_at if events[i][0] == mine.fingerprint), None)
         if hit is not None:
             _, r, ref = events.pop(hit)
+            if not events:
+                del _PENDING[key]
             owner = ref()
             if owner is not None:
                 owner._cache.get("armed", set()).discard(r)
