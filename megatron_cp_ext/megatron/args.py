@@ -40,11 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="how packed (THD) batches were split across CP ranks when their packed_seq_params carry no "
         "megatron_cp_ext sharding: te (default; Megatron's own THD split, TransformerEngine's "
         "thd_get_partitioned_indices per document; always used with cu_seqlens_q_padded), or the balance a "
-        "pipeline passed to megatron_cp_ext.shard_sequences: workload (short documents whole, long ones "
-        "in 128-aligned pieces, attention work balanced), dualchunk (every sequence in 2*cp chunks) or "
-        "contiguous (cp slices of every sequence); those three only for data this process split with "
-        "CPSharding.shard (otherwise refused: nothing confirms them). Batches split by shard_batch_for_cp "
-        "carry their split",
+        "pipeline passed to megatron_cp_ext.shard_sequences (workload, dualchunk, contiguous): then packed_seq_params "
+        "without a sharding are refused, since cu_seqlens cannot say how the data was split; batches split by "
+        "shard_batch_for_cp, or params from make_packed_seq_params(cu, sharding=...), carry their split",
     )
     group.add_argument(
         "--cp-attention-backend",

@@ -88,8 +88,6 @@ class CPBatchContext:
     """Where the split comes from, for messages."""
     assumed: bool = False
     """The split was assumed from ``load_balance`` for plain params (not carried, not padded)."""
-    claimed: bool = False
-    """This micro-batch's pending data split was taken (:func:`claim_split`, on first use)."""
     _positions: dict = field(default_factory=dict, repr=False)
 
     def positions(self, device: torch.device | str) -> torch.Tensor:
@@ -186,16 +184,6 @@ def check_split(ctx: CPBatchContext) -> None:
         raise CPArgumentError(msg)
 
 
-def claim_split(ctx: CPBatchContext) -> None:
-    """The micro-batch's first use takes its data's pending split event (:func:`splits.claim`),
-    so that split never vouches for a later micro-batch with the same ``cu_seqlens``; unclaimed
-    splits of this data that are not the layer's are a mismatch (the same on every rank)."""
-    msg = splits.claim(ctx.layout or ctx.sharding, ctx.rank, ctx.made_by, MEGATRON_FIX)
-    if msg is not None:
-        raise CPArgumentError(msg)
-    ctx.claimed = True
-
-
 MEGATRON_FIX = (
     "Give the layer the data's split: PackedSeqParams from megatron_cp_ext.megatron.make_packed_seq_params(cu_seqlens, "
     "sharding=<the sharding that split the data>), or split and build both with shard_batch_for_cp"
@@ -203,15 +191,16 @@ MEGATRON_FIX = (
 """What a Megatron layer's split-mismatch message tells the user to do."""
 
 
-def _unconfirmed(balance: str, cu: list[int], cp_size: int) -> str:
-    """Why plain params under a non-``te`` ``load_balance`` need the data's split on record."""
+def _not_carried(balance: str, cu: list[int], cp_size: int) -> str:
+    """Why plain params under a non-``te`` ``load_balance`` are refused: only TransformerEngine's
+    split is assumed (what Megatron's, Bridge's and NeMo's data steps produce); any other split
+    must reach the layer as the object the data was split with."""
     return (
-        f"PackedSeqParams carry no megatron_cp_ext split and this process split no data of this micro-batch "
-        f"({len(cu) - 1} sequences, {cu[-1]} tokens, CP {cp_size}) that another micro-batch's layers have not "
-        f"already used, so nothing confirms load_balance={balance!r}: "
-        "Megatron's, Megatron-Bridge's and NeMo's own data steps split with TransformerEngine's THD split, which a "
-        f"{balance!r} layer would read as another split. {MEGATRON_FIX} (a data-loader worker can send the "
-        "CPSharding with the batch: it pickles, and unpickling records the split); for batches split by Megatron's "
+        f"PackedSeqParams carry no megatron_cp_ext split ({len(cu) - 1} sequences, {cu[-1]} tokens, CP {cp_size}) "
+        f"and load_balance={balance!r}: a layer assumes only TransformerEngine's THD split (what Megatron's, "
+        "Megatron-Bridge's and NeMo's own data steps produce): cu_seqlens alone cannot say how this micro-batch's "
+        f"data was split. {MEGATRON_FIX} (a "
+        "data-loader worker can send the CPSharding with the batch: it pickles); for batches split by Megatron's "
         "own data step, use load_balance='te' (--cp-load-balance te)"
     )
 
@@ -273,8 +262,6 @@ def cp_context(
                 f"PackedSeqParams was built for CP size {ctx.sharding.cp_size} rank {ctx.rank}, "
                 f"used by a layer at CP size {cp_size} rank {cp_rank}"
             )
-        if not ctx.claimed:
-            claim_split(ctx)
         check_split(ctx)
         return ctx
     recipe = ctx.recipe if ctx is not None else derive_recipe(params, balance)
@@ -295,8 +282,8 @@ def cp_context(
     else:
         made_by = ctx.made_by
     assumed = params.cu_seqlens_q_padded is None and (derived or ctx.assumed)
-    if assumed and recipe.balance != TE_LAYOUT and cp_size > 1 and not splits.pending(cu_host[0], cp_size, cp_rank):
-        raise CPArgumentError(total_off or _unconfirmed(recipe.balance, cu_host[0], cp_size))
+    if assumed and recipe.balance != TE_LAYOUT and cp_size > 1:  # never assumed: it must come with the params
+        raise CPArgumentError(total_off or _not_carried(recipe.balance, cu_host[0], cp_size))
     try:
         sharding = recipe.build(cu_host[0], cp_size, name)
     except CPArgumentError as err:
@@ -321,7 +308,6 @@ def cp_context(
         sharding = separate_padding(sharding, cu_host[1], name="PackedSeqParams.cu_seqlens_q")
     ctx = CPBatchContext(sharding=sharding, rank=cp_rank, recipe=recipe, source=sources, version=version,
                          layout=layout, made_by=made_by, assumed=assumed)  # fmt: skip
-    claim_split(ctx)
     check_split(ctx)
     setattr(params, CONTEXT_ATTR, ctx)
     return ctx

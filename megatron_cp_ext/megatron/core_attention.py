@@ -59,10 +59,9 @@ class CPAttentionOptions:
     across CP ranks. ``"te"`` (default): Megatron's own THD split (TransformerEngine's
     ``thd_get_partitioned_indices``, per document, as ``get_thd_batch_on_this_cp_rank`` /
     ``get_batch_on_this_cp_rank`` and the Bridge and NeMo data steps do); documents whose
-    lengths are not multiples of ``2*cp`` cannot come from it and are refused. Or one of
-    :data:`megatron_cp_ext.BALANCES`, for a pipeline that split with ``shard_sequences(cu, cp,
-    balance)`` (default causal mask) in this process (``CPSharding.shard``, or a sharding
-    unpickled from a worker): with no split on record, plain params are refused.
+    lengths are not multiples of ``2*cp`` cannot come from it and are refused. One of
+    :data:`megatron_cp_ext.BALANCES`: plain params are refused (``cu_seqlens`` cannot say which
+    split the data got; any split but TE's must come with the params).
     ``cu_seqlens_q_padded`` always means ``"te"``, and params made by ``shard_batch_for_cp`` /
     ``make_packed_seq_params`` carry their own split."""
     backend: str = "auto"

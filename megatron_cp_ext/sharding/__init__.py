@@ -189,7 +189,7 @@ class CPSharding:
             raise CPArgumentError(
                 f"x has {x.shape[dim]} tokens along dim {dim}, cu_seqlens describe {self.total_tokens}"
             )
-        splits.record(self, rank)  # the data split itself: a layer that would use another one refuses
+        splits.record(self)  # the data split itself: a layer that would use another one refuses
         return x.index_select(dim, self.global_index(rank).to(x.device))
 
     def unshard(self, xs: Sequence[torch.Tensor], dim: int = 0) -> torch.Tensor:

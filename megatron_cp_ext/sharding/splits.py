@@ -14,21 +14,12 @@ segments: a split cut into more rows is the same split) with a short description
 sharding itself (its plans may hold device memory); the last :data:`KEEP` keys are kept.
 :func:`recorded` answers in a dict lookup; :func:`generation` lets a caller skip the lookup
 while nothing new was recorded. Host values only: no device work, no collective.
-
-Records outlive their micro-batch, and the next micro-batch may have the very same
-``cu_seqlens`` but data split another way (by Megatron's own data step, which records nothing).
-So each split is also a *pending event* until one micro-batch's layers take it
-(:func:`claim`): one event per sharding object and CP rank until claimed (splitting the tokens,
-labels and masks of one micro-batch is one event; a sharding reused for the next micro-batch
-arms again once claimed). A layer that must be confirmed by the data's split needs an unclaimed
-event, so an old micro-batch's split never vouches for a new one.
 """
 
 from __future__ import annotations
 
 import hashlib
 import threading
-import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -39,8 +30,8 @@ CPSharding = Any
 """A :class:`megatron_cp_ext.CPSharding` (not imported: :mod:`.sharding` imports this module)."""
 
 __all__ = [
-    "Split", "KEEP", "layout_of", "record", "recorded", "pending", "claim", "generation", "clear", "describe",
-    "first_difference", "mismatch", "disagreement",
+    "Split", "KEEP", "layout_of", "record", "recorded", "generation", "clear", "describe", "first_difference",
+    "mismatch", "disagreement",
 ]  # fmt: skip
 
 KEEP = 1024
@@ -65,8 +56,6 @@ class Split:
 _LOCK = threading.Lock()
 _RECENT: OrderedDict[tuple, dict[bytes, Split]] = OrderedDict()
 _GEN = [0]
-_PENDING: dict[tuple, list[tuple[bytes, int | None, weakref.ref]]] = {}
-"""Per key, unclaimed split events, oldest first: ``(fingerprint, CP rank or None, sharding)``."""
 
 
 def _canonical(sharding: CPSharding) -> tuple[np.ndarray, np.ndarray]:
@@ -102,18 +91,13 @@ def _key(cu_seqlens, cp_size: int) -> tuple:
     return (int(cp_size), tuple(int(c) for c in cu_seqlens))
 
 
-def record(sharding: CPSharding, rank: int | None = None) -> None:
-    """Remember that data described by ``sharding.cu_seqlens`` was split by ``sharding`` (for CP
-    rank ``rank``; ``None``: for whichever rank this process is, e.g. an unpickled sharding)."""
+def record(sharding: CPSharding) -> None:
+    """Remember that data described by ``sharding.cu_seqlens`` was split by ``sharding``."""
     if sharding.cp_size < 2:  # one rank holds everything, in order: nothing to disagree on
         return
     split = layout_of(sharding)
     key = _key(sharding.cu_seqlens, sharding.cp_size)
-    armed = sharding._cache.setdefault("armed", set())
     with _LOCK:
-        if rank not in armed:  # a new event: first split since this sharding's last claim
-            armed.add(rank)
-            _PENDING.setdefault(key, []).append((split.fingerprint, rank, weakref.ref(sharding)))
         known = _RECENT.get(key)
         if known is not None and split.fingerprint in known:
             _RECENT.move_to_end(key)
@@ -121,7 +105,7 @@ def record(sharding: CPSharding, rank: int | None = None) -> None:
         _RECENT.setdefault(key, {})[split.fingerprint] = split
         _RECENT.move_to_end(key)
         while len(_RECENT) > KEEP:
-            _PENDING.pop(_RECENT.popitem(last=False)[0], None)
+            _RECENT.popitem(last=False)
         _GEN[0] += 1
 
 
@@ -130,41 +114,6 @@ def recorded(cu_seqlens, cp_size: int) -> tuple[Split, ...]:
     with _LOCK:
         known = _RECENT.get(_key(cu_seqlens, cp_size))
         return tuple(known.values()) if known else ()
-
-
-def pending(cu_seqlens, cp_size: int, rank: int | None = None) -> tuple[Split, ...]:
-    """The splits of unclaimed events for this data (oldest first; of ``rank`` or rank-free)."""
-    key = _key(cu_seqlens, cp_size)
-    with _LOCK:
-        known = _RECENT.get(key, {})
-        return tuple(known[fp] for fp, r, _ in _PENDING.get(key, ()) if r is None or rank is None or r == rank)
-
-
-def claim(sharding: CPSharding, rank: int, layer: str, fix: str) -> str | None:
-    """A micro-batch's layers take their data's split event: the oldest unclaimed event of this
-    data (for ``rank``) whose split is ``sharding``'s is consumed. Returns the mismatch message
-    when there are unclaimed events and none is ``sharding``'s split; None when one was claimed
-    or none is pending."""
-    if sharding.cp_size < 2:
-        return None
-    mine = layout_of(sharding)
-    key = _key(sharding.cu_seqlens, sharding.cp_size)
-    with _LOCK:
-        events = _PENDING.get(key, [])
-        mine_at = [i for i, (fp, r, _) in enumerate(events) if r in (None, rank)]
-        if not mine_at:
-            return None
-        hit = next((i for i in mine_at if events[i][0] == mine.fingerprint), None)
-        if hit is not None:
-            _, r, ref = events.pop(hit)
-            if not events:
-                del _PENDING[key]
-            owner = ref()
-            if owner is not None:
-                owner._cache.get("armed", set()).discard(r)
-            return None
-        data = tuple(_RECENT[key][events[i][0]] for i in mine_at)
-    return mismatch(data, f"{describe(mine)}, {layer}", sharding.cu_seqlens, sharding.cp_size, mine, fix)
 
 
 def generation() -> int:
@@ -176,7 +125,6 @@ def clear() -> None:
     """Forget every recorded split (a test harness between independent tasks)."""
     with _LOCK:
         _RECENT.clear()
-        _PENDING.clear()
         _GEN[0] += 1
 
 

@@ -6,10 +6,9 @@ One seed draws: the world size, the comm type (``a2a+p2p`` with hierarchical siz
 2]``), the head layout (MHA, GQA, MQA, odd counts), 1–3 layers, a causal sliding window or
 none (every other layer full with ``window_attn_skip_freq``), chunked attention, packed
 lengths with many 0- and 1-length documents, and how the batch reaches the layers: split by a
-pipeline's own ``shard_sequences`` (``shard``: recorded) and handed over as a plain
-``PackedSeqParams`` (the layers' ``load_balance`` names that split: workload, dualchunk or
-contiguous), or split by
-``make_packed_seq_params`` whose params carry the (mask-balanced) sharding. Needs megatron-core.
+pipeline's own ``shard_sequences`` (workload, dualchunk or contiguous; ``shard``: recorded) and
+handed to ``make_packed_seq_params(cu, sharding=...)``, or split by ``make_packed_seq_params``
+whose params carry the (mask-balanced) sharding. Needs megatron-core.
 """
 
 from __future__ import annotations
@@ -35,7 +34,7 @@ def draw(seed: int) -> tuple[int, dict]:
         lens.append(3 * world)
     window = r.choice(_WINDOWS)
     layers = r.choice([1, 2, 3])
-    how = r.choice(["plain", "attached"])
+    how = r.choice(["given", "attached"])
     return world, dict(
         comm=r.choice(["p2p", "all_gather", "a2a", "a2a+p2p"]),
         heads=heads,
@@ -73,7 +72,6 @@ def block_case(rank: int, world: int, cfg: dict) -> dict[str, float]:
     """Worker (:func:`~.pool.run_on_ranks`): max |CP - CP 1| per output, input gradient and
     parameter gradient (:func:`~.megatron.cp_vs_cp1_errors`)."""
     from megatron.core import parallel_state
-    from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     from .. import shard_sequences
@@ -90,16 +88,16 @@ def block_case(rank: int, world: int, cfg: dict) -> dict[str, float]:
     ref = _block(1, cfg, pgs)
     ref.load_state_dict(model.state_dict())
     cu = torch.tensor([0, *cfg["lens"]]).cumsum(0)
-    if cfg["how"] == "plain":
+    if cfg["how"] == "given":
         sharding = shard_sequences(cu, world, balance=cfg["balance"])
-        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu.int(), cu_seqlens_kv=cu.int())
+        params = make_packed_seq_params(cu, cp_group=group, sharding=sharding)
     else:
         params = make_packed_seq_params(cu, cp_group=group, window_size=cfg["window"], chunk_size=cfg["chunk"])
         sharding = params._mcx_cp_context.sharding
     whole = make_packed_seq_params(cu)
     table = CPRotaryEmbedding(HEAD_DIM)(max(cfg["lens"]) + 1)
     x = torch.randn(int(cu[-1]), 1, cfg["heads"] * HEAD_DIM, generator=torch.Generator().manual_seed(1))
-    sharding.shard(x, rank)  # the pipeline's data split (recorded: it confirms load_balance to the layers)
+    sharding.shard(x, rank)  # the pipeline's data split (recorded: the layers check theirs against it)
 
     def run(module, inp, is_cp):
         return module(inp, attention_mask=None, rotary_pos_emb=table, packed_seq_params=params if is_cp else whole)

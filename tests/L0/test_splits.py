@@ -93,76 +93,23 @@ def test_plain_params_checked_against_the_record_on_one_rank():
     mcx.shard_sequences(CU, 2).shard(torch.zeros(424), 0)  # the README's split of these cu_seqlens
     with pytest.raises(CPArgumentError, match=r"CP split mismatch.*'workload' split.*'te' split"):
         cp_context(plain(), 2, 0, "te", tokens=212)
-    assert cp_context(plain(), 2, 0, "workload", tokens=212).sharding.balance == "workload"  # the same split
-    # that split vouched for one micro-batch: the next one with these cu_seqlens needs its own
-    with pytest.raises(CPArgumentError, match="not already used, so nothing confirms load_balance='workload'"):
+    # under another load_balance plain params are refused even when this process split the data
+    # that way: cu_seqlens cannot say which micro-batch's split the data got
+    with pytest.raises(CPArgumentError, match="carry no megatron_cp_ext split .*load_balance='workload'"):
         cp_context(plain(), 2, 0, "workload", tokens=212)
     with pytest.raises(
         CPArgumentError, match=r"cu_seqlens_q\[-1\] = 424 tokens, but this CP rank holds 200 .*gives every rank 212\)"
     ):
         cp_context(plain(), 2, 0, "workload", tokens=200)
     # a params object already in use is re-checked when a new split is recorded (an int compare otherwise)
-    mcx.shard_sequences(CU, 2).shard(torch.zeros(424), 0)  # the next micro-batch: same lengths, same split
+    splits.clear()
     params = plain()
-    cp_context(params, 2, 0, "workload", tokens=212)
+    cp_context(params, 2, 0, "te", tokens=212)
     te_thd_sharding(CU, 2).shard(torch.zeros(424), 0)
-    assert cp_context(params, 2, 0, "workload", tokens=212).sharding.balance == "workload"  # still one of them
+    assert cp_context(params, 2, 0, "te", tokens=212).sharding.balance == "te"  # the data's split
+    mcx.shard_sequences(CU, 2, balance="contiguous").shard(torch.zeros(424), 0)
+    assert cp_context(params, 2, 0, "te", tokens=212).sharding.balance == "te"  # still one of them
     splits.clear()
     mcx.shard_sequences(CU, 2, balance="contiguous").shard(torch.zeros(424), 0)
     with pytest.raises(CPArgumentError, match="'contiguous' split"):
-        cp_context(params, 2, 0, "workload", tokens=212)
-
-
-def _plain(cu):
-    from megatron.core.packed_seq_params import PackedSeqParams
-
-    t = torch.tensor(cu, dtype=torch.int32)
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=t, cu_seqlens_kv=t)
-
-
-def test_a_split_vouches_for_one_micro_batch():
-    """The next micro-batch may have the same ``cu_seqlens`` but data split by Megatron's own
-    step (nothing recorded): the last micro-batch's split must not confirm its layers' split."""
-    pytest.importorskip("megatron.core")
-    from megatron_cp_ext.megatron.context import cp_context
-
-    sh = mcx.shard_sequences(CU, 2)
-    for _ in ("tokens", "labels", "loss_mask"):  # one micro-batch's tensors: one event
-        sh.shard(torch.zeros(424), 0)
-    assert [s.balance for s in splits.pending(CU, 2, 0)] == ["workload"] and splits.pending(CU, 2, 1) == ()
-    cp_context(_plain(CU), 2, 0, "workload", tokens=212)  # micro-batch 1 takes it
-    assert splits.pending(CU, 2, 0) == ()
-    with pytest.raises(CPArgumentError, match="nothing confirms load_balance='workload'"):
-        cp_context(_plain(CU), 2, 0, "workload", tokens=212)  # micro-batch 2: nothing split it here
-    sh.shard(torch.zeros(424), 0)  # the same sharding reused for micro-batch 2: armed again
-    cp_context(_plain(CU), 2, 0, "workload", tokens=212)
-    # rank 1's split does not confirm rank 0's layer (threads of one process each split their own)
-    sh.shard(torch.zeros(424), 1)
-    with pytest.raises(CPArgumentError, match="nothing confirms"):
-        cp_context(_plain(CU), 2, 0, "workload", tokens=212)
-    cp_context(_plain(CU), 2, 1, "workload", tokens=212)
-
-
-def _carrying(sh):
-    """Params carrying ``sh`` on CP rank 0 of 2 (what ``make_packed_seq_params(sharding=)`` builds)."""
-    from megatron_cp_ext.megatron.context import CONTEXT_ATTR, CPBatchContext, version_of
-
-    p = _plain(sh.cu_seqlens)
-    cu = p.cu_seqlens_q
-    setattr(p, CONTEXT_ATTR, CPBatchContext(sharding=sh, rank=0, source=(cu,), version=(version_of(cu),)))
-    return p
-
-
-def test_pending_splits_are_taken_in_order_and_a_foreign_one_is_a_mismatch():
-    pytest.importorskip("megatron.core")
-    from megatron_cp_ext.megatron.context import cp_context
-
-    worker = [pickle.dumps(mcx.shard_sequences(CU, 2)) for _ in range(3)]  # three micro-batches split ahead
-    received = [pickle.loads(w) for w in worker]
-    assert len(splits.pending(CU, 2, 0)) == 3  # each unpickled sharding is one event, for any rank
-    for sh in received:  # each micro-batch's layers take one
-        cp_context(_carrying(sh), 2, 0, tokens=212)
-    assert splits.pending(CU, 2, 0) == ()
-    mcx.shard_sequences(CU, 2, balance="contiguous").shard(torch.zeros(424), 0)  # this micro-batch's data
-    with pytest.raises(CPArgumentError, match=r"CP split mismatch.*'contiguous' split.*'workload' split"):
-        cp_context(_carrying(received[0]), 2, 0, tokens=212)  # a stale sharding
+        cp_context(params, 2, 0, "te", tokens=212)

@@ -88,11 +88,10 @@ def test_padded_cu_seqlens_mean_the_te_split_whatever_the_balance() -> None:
     with pytest.raises(mcx.CPArgumentError, match="cu_seqlens_q describe sequence 0 of length 3.*shard_batch_for_cp"):
         cp_context(_plain(real), 2, 0)  # Megatron's split cannot have produced these lengths
     splits.clear()
-    with pytest.raises(mcx.CPArgumentError, match="nothing confirms load_balance='workload'"):
-        cp_context(_plain(real), 2, 0, "workload")  # no split of this batch on record
     try:
-        mcx.shard_sequences(real, 2).shard(torch.zeros(8), 0)  # this process split the data: recorded
-        assert cp_context(_plain(real), 2, 0, "workload").sharding.balance == "workload"
+        mcx.shard_sequences(real, 2).shard(torch.zeros(8), 0)  # this process split the data that way:
+        with pytest.raises(mcx.CPArgumentError, match="carry no megatron_cp_ext split .*load_balance='workload'"):
+            cp_context(_plain(real), 2, 0, "workload")  # still refused: only TE's split is assumed
     finally:
         splits.clear()
 

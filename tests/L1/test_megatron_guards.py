@@ -94,11 +94,16 @@ def sp_case(rank: int, world: int, how: str) -> tuple[str, str]:
     TP 2 divides. Returns (exception type, message) — never hangs."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     import megatron_cp_ext as mcx
-    from megatron_cp_ext.megatron import CPAttentionOptions, cp_layer_spec, install_cp_rope, shard_batch_for_cp
+    from megatron_cp_ext.megatron import (
+        CPAttentionOptions,
+        cp_layer_spec,
+        install_cp_rope,
+        make_packed_seq_params,
+        shard_batch_for_cp,
+    )
     from megatron_cp_ext.testing.megatron import setup_parallel_state
 
     setup_parallel_state(2, tp=2)
@@ -116,10 +121,10 @@ def sp_case(rank: int, world: int, how: str) -> tuple[str, str]:
         with _megatron_on_cpu():
             spec = cp_layer_spec(config, options=CPAttentionOptions(load_balance="workload"))
             model = install_cp_rope(GPTModel(config, spec, vocab_size=8, max_sequence_length=16))
-            # A pipeline's own split with shard_sequences, handed over as plain PackedSeqParams.
+            # A pipeline's own split with shard_sequences, handed to the params it builds.
             sharding = mcx.shard_sequences(cu, 2)
             local = sharding.shard(tokens, parallel_state.get_context_parallel_rank(), dim=1)
-            params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu.int(), cu_seqlens_kv=cu.int())
+            params = make_packed_seq_params(cu, cp_group=parallel_state.get_context_parallel_group(), sharding=sharding)
             model(local, sharding.positions(parallel_state.get_context_parallel_rank())[None], None,
                   packed_seq_params=params)  # fmt: skip
         return ("no error", "")

@@ -34,7 +34,6 @@ def _block(cp: int, pg_collection=None):
 
 def mixed_case(rank: int, world: int, how: str) -> dict[str, float]:
     from megatron.core import parallel_state
-    from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     import megatron_cp_ext as mcx
@@ -51,9 +50,9 @@ def mixed_case(rank: int, world: int, how: str) -> dict[str, float]:
     windowed = [layer.self_attention.core_attention.window_size for layer in model.layers]
     assert windowed == [(24, 0), (-1, -1), (24, 0), (-1, -1)], windowed
     cu = torch.tensor([0, *LENGTHS]).cumsum(0)
-    if how == "plain":  # a pipeline's own default split, handed over as plain PackedSeqParams
+    if how == "given":  # a pipeline's own default split, handed to the params it builds
         sharding = mcx.shard_sequences(cu, world)
-        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu.int(), cu_seqlens_kv=cu.int())
+        params = make_packed_seq_params(cu, cp_group=group, sharding=sharding)
     else:  # the batch split's params carry its (window-balanced) split
         params = make_packed_seq_params(cu, cp_group=group, window_size=(24, 0))
         sharding = params._mcx_cp_context.sharding
@@ -61,7 +60,7 @@ def mixed_case(rank: int, world: int, how: str) -> dict[str, float]:
     glob = make_packed_seq_params(cu)
     table = CPRotaryEmbedding(8)(128)
     x = torch.randn(int(cu[-1]), 1, HIDDEN, generator=torch.Generator().manual_seed(1))
-    # the data split (recorded: the layers confirm load_balance against it); rows as by index
+    # the data split (recorded: the layers check theirs against it); rows as by index
     assert torch.equal(sharding.shard(x, rank), x[torch.as_tensor(sharding.global_index(rank))])
 
     def run(module, inp, is_cp):
@@ -71,7 +70,7 @@ def mixed_case(rank: int, world: int, how: str) -> dict[str, float]:
     return cp_vs_cp1_errors(model, ref, run, x, sharding.global_index(rank), group)
 
 
-@pytest.mark.parametrize("how", ["plain", "attached"])
+@pytest.mark.parametrize("how", ["given", "attached"])
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_mixed_window_and_full_layers_share_one_sharding(world: int, how: str) -> None:
     for rank, errs in enumerate(run_on_ranks(world, mixed_case, how)):
