@@ -22,6 +22,7 @@ from test_split_agreement import (  # noqa: E402
     DIM,
     GROUPS,
     HEADS,
+    ODD,
     _config,
     _exact,
     _one_error_everywhere,
@@ -32,22 +33,24 @@ from test_split_agreement import (  # noqa: E402
 from megatron_cp_ext.testing.pool import run_on_ranks  # noqa: E402
 
 BALANCE_CASES = [
-    pytest.param(balance, data, world, id=f"{balance}-{data}-{world}")
+    pytest.param(balance, data, world, lengths, id=f"{balance}-{data}-{world}-{name}")
     for world in (2, 4)
     for data in ("index-workload", "megatron-te", "readme", "dualchunk")
     for balance in ("workload", "dualchunk", "contiguous")
+    # multiples of 2cp at CP 2 and 4 (TE's split takes them), and lengths that are not
+    for name, lengths in (("2cp", [32, 120, 0, 64, 200, 8]), ("odd", ODD))
+    if name == "2cp" or data == "readme"
 ]
 
 
-@pytest.mark.parametrize("balance,data,world", BALANCE_CASES)
-def test_load_balance_other_than_te_needs_the_split_carried(balance, data, world):
+@pytest.mark.parametrize("balance,data,world,lengths", BALANCE_CASES)
+def test_load_balance_other_than_te_needs_the_split_carried(balance, data, world, lengths):
     """Plain params under a non-``te`` ``load_balance`` refuse on every rank whatever split the
     data got: by Megatron's own TransformerEngine split (read as a workload split, this was
     silently wrong), by the package's split applied by index, or recorded by ``shard`` with the
     same balance (a record cannot say which micro-batch it belongs to: one with the same
     ``cu_seqlens`` split by Megatron's step was read as the last one's split). The same data with
     ``make_packed_seq_params(cu, sharding=...)`` runs (``test_split_agreement.py``)."""
-    lengths = [32, 120, 0, 64, 200, 8]  # multiples of 2cp at CP 2 and 4 (TE's split takes them)
     results = run_on_ranks(world, core_case, data, "plain", lengths, "p2p", None, balance)
     _one_error_everywhere(results, "carry no megatron_cp_ext split", f"load_balance={balance!r}", "sharding=")
 
