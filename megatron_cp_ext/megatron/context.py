@@ -86,8 +86,6 @@ class CPBatchContext:
     ``None``: :attr:`sharding`."""
     made_by: str = "carried by the PackedSeqParams (make_packed_seq_params / shard_batch_for_cp)"
     """Where the split comes from, for messages."""
-    assumed: bool = False
-    """The split was assumed from ``load_balance`` for plain params (not carried, not padded)."""
     _positions: dict = field(default_factory=dict, repr=False)
 
     def positions(self, device: torch.device | str) -> torch.Tensor:
@@ -281,8 +279,7 @@ def cp_context(
         )
     else:
         made_by = ctx.made_by
-    assumed = params.cu_seqlens_q_padded is None and (derived or ctx.assumed)
-    if assumed and recipe.balance != TE_LAYOUT and cp_size > 1:  # never assumed: it must come with the params
+    if derived and recipe.balance != TE_LAYOUT and cp_size > 1:  # only TE's split is assumed; others are carried
         raise CPArgumentError(total_off or _not_carried(recipe.balance, cu_host[0], cp_size))
     try:
         sharding = recipe.build(cu_host[0], cp_size, name)
@@ -307,7 +304,7 @@ def cp_context(
     if len(cu_host) == 2:
         sharding = separate_padding(sharding, cu_host[1], name="PackedSeqParams.cu_seqlens_q")
     ctx = CPBatchContext(sharding=sharding, rank=cp_rank, recipe=recipe, source=sources, version=version,
-                         layout=layout, made_by=made_by, assumed=assumed)  # fmt: skip
+                         layout=layout, made_by=made_by)  # fmt: skip
     check_split(ctx)
     setattr(params, CONTEXT_ATTR, ctx)
     return ctx
