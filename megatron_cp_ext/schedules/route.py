@@ -68,12 +68,16 @@ class Route:
         cut[1:] = (owner[1:] != owner[:-1]) | (local[1:] != local[:-1] + 1)
         start = np.nonzero(cut)[0]
         n = np.diff(np.append(start, len(perm)))
-        return cls(owner=tuple(owner[start].tolist()), src=tuple(local[start].tolist()),
-                   dst=tuple(start.tolist()), n=tuple(n.tolist()), members=len(counts),
-                   rows=len(perm))  # fmt: skip
+        # plan time, on numpy: host ints for the hashable route
+        return cls(owner=_ints(owner[start]), src=_ints(local[start]), dst=_ints(start), n=_ints(n),
+                   members=len(counts), rows=len(perm))  # fmt: skip
 
     def runs(self):
         return zip(self.owner, self.src, self.dst, self.n)
+
+
+def _ints(a: np.ndarray) -> tuple[int, ...]:
+    return tuple(map(int, a))
 
 
 def worth(route: Route, row_bytes: int, floor: int) -> bool:
