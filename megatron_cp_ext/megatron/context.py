@@ -29,9 +29,11 @@ __all__ = [
     "ShardRecipe",
     "check_split",
     "check_token_multiple",
+    "count_refusal",
     "cp_context",
     "default_token_multiple",
     "derive_recipe",
+    "router_losses",
 ]
 
 CONTEXT_ATTR = "_mcx_cp_context"
@@ -138,6 +140,45 @@ def check_token_multiple(sharding: CPSharding, multiple: int, why: str) -> None:
             f"{sharding.total_tokens} tokens in all): pad the packed batch to a multiple of cp*{multiple} tokens"
             + (" (and every padded sequence to a multiple of 2*cp*TP)" if sharding.balance == TE_LAYOUT else "")
         )
+
+
+def router_losses(config: Any) -> str | None:
+    """The MoE router losses ``config`` enables, which assume every CP rank holds as many tokens:
+    Megatron's router divides the z-loss coefficient by the TP x CP size and takes each rank's
+    own token mean, and prices the load-balancing losses with ``local tokens x TP x CP`` tokens
+    in all. With counts that differ (a packed total not a multiple of CP) both weigh the ranks'
+    tokens unequally, unlike CP 1. ``None``: no such loss."""
+    if not getattr(config, "num_moe_experts", None):
+        return None
+    types, coeffs = config.moe_router_load_balancing_type, config.moe_aux_loss_coeff
+    types, coeffs = ([types], [coeffs]) if isinstance(types, str) else (types, coeffs)
+    if not isinstance(coeffs, (list, tuple)):
+        coeffs = [coeffs] * len(types)
+    on = [f"{t} (moe_aux_loss_coeff)" for t, c in zip(types, coeffs) if t.endswith("aux_loss") and c]
+    if getattr(config, "moe_z_loss_coeff", None):
+        on.append("moe_z_loss_coeff")
+    return ", ".join(on) or None
+
+
+def count_refusal(sharding: CPSharding, cp_size: int, equal_for: str | None) -> CPArgumentError | None:
+    """What a Megatron layer cannot run with this split's token counts (host values, the same on
+    every rank): a CP rank without tokens (Megatron's q/k/v reshapes fail on it), or, when
+    ``equal_for`` names router losses (:func:`router_losses`), counts that differ."""
+    counts = list(sharding.counts())
+    what = f"the micro-batch's {sharding.balance!r} split gives counts {counts} ({sharding.total_tokens} tokens"
+    if cp_size > 1 and min(counts) == 0:
+        return CPArgumentError(
+            f"{what} over CP {cp_size}): CP rank {counts.index(0)} gets no tokens, and Megatron's attention layers "
+            "cannot run a CP rank without tokens. Pack at least one token per CP rank into every micro-batch (pad "
+            "it), or run CPCoreAttention alone"
+        )
+    if equal_for and len(set(counts)) > 1:
+        return CPArgumentError(
+            f"{what} over CP {cp_size}), but the MoE router losses {equal_for} assume every CP rank holds as many "
+            f"tokens (they would weigh the ranks' tokens unequally, unlike CP 1). Pad every packed micro-batch to a "
+            f"multiple of {cp_size} x token_multiple tokens (a padding document with loss_mask 0)"
+        )
+    return None
 
 
 def check_layout_name(balance: Any, name: str) -> str:

@@ -31,7 +31,7 @@ from ..backends import BACKENDS
 from ..runtime import agreement
 from ..runtime.groups import HierarchicalCPGroups, cp_groups
 from ..runtime.validation import CPArgumentError, as_bool, as_choice, as_chunk, as_window
-from .context import LAYOUTS, CPBatchContext, check_token_multiple, cp_context
+from .context import LAYOUTS, CPBatchContext, check_token_multiple, count_refusal, cp_context, router_losses
 from .qk_clip import record_max_logit, wants_max_logits
 from .sinks import install_softmax_offset, offset_sharded_state_dict
 from .subgroups import call_group
@@ -218,6 +218,7 @@ class CPCoreAttention(MegatronModule):
         if self.options.check:
             self._engine_kwargs["check"] = True
         self._sp_checked: Any = None
+        self._equal_counts_for = router_losses(config)
         missing = set(self._engine_kwargs) - set(inspect.signature(cp_attention).parameters)
         if missing:
             raise ValueError(f"this megatron_cp_ext engine has no {sorted(missing)} option; leave it at its default")
@@ -291,8 +292,9 @@ class CPCoreAttention(MegatronModule):
     def layer_context(self, packed_seq_params: PackedSeqParams, s_local: int) -> CPBatchContext:
         """:meth:`batch_context` for a Megatron attention layer holding ``s_local`` THD tokens,
         checking that count, and refusing on every rank (host counts, before Megatron's code
-        runs) a split that leaves a CP rank no tokens: ``CPCoreAttention`` alone runs such a
-        rank, Megatron's q/k/v reshapes fail on it while the other ranks wait."""
+        runs) a split that leaves a CP rank no tokens (``CPCoreAttention`` alone runs such a
+        rank, Megatron's q/k/v reshapes fail on it while the other ranks wait) or, with MoE
+        router losses, one whose counts differ (:func:`~.context.count_refusal`)."""
         ctx = self.batch_context(packed_seq_params, s_local)
         counts = ctx.sharding.counts()
         if counts[ctx.rank] != s_local:
@@ -302,15 +304,9 @@ class CPCoreAttention(MegatronModule):
                 "from the layout the attention uses. Split it with shard_batch_for_cp (its packed_seq_params carry "
                 "the split), or set cu_seqlens_q_padded when it was split by TransformerEngine's THD split"
             )
-        if self.cp_size > 1 and min(counts) == 0:
-            self._refuse_everywhere(
-                CPArgumentError(
-                    f"the micro-batch's {ctx.sharding.balance!r} split gives CP rank {counts.index(0)} no tokens "
-                    f"(counts {list(counts)}, {ctx.sharding.total_tokens} tokens over CP {self.cp_size}): Megatron's "
-                    "attention layers cannot run a CP rank without tokens. Pack at least one token per CP rank into "
-                    "every micro-batch (pad it), or run CPCoreAttention alone"
-                )
-            )
+        refusal = count_refusal(ctx.sharding, self.cp_size, self._equal_counts_for)
+        if refusal is not None:
+            self._refuse_everywhere(refusal)
         return ctx
 
     def _check_rope_rows(self, ctx: CPBatchContext, rows: int) -> None:

@@ -29,4 +29,4 @@ def test_core_attention_runs_an_empty_rank_exactly(comm, lengths):
 @pytest.mark.parametrize("comm", ["p2p", "a2a"])
 def test_transformer_layer_refuses_an_empty_rank_everywhere(comm):
     results = run_on_ranks(4, layer_case, "batch", TINY["2-0-1"], comm, None, timeout=120)
-    _one_error_everywhere(results, "gives CP rank 3 no tokens", "counts [1, 1, 1, 0]", "Pack at least one token")
+    _one_error_everywhere(results, "CP rank 3 gets no tokens", "counts [1, 1, 1, 0]", "Pack at least one token")
