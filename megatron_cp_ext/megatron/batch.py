@@ -153,9 +153,24 @@ _TOKEN_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 """Batch entries that are per token by definition: they must be ``[b, T, ...]``."""
 
 
+_GLOBAL_PREFIXES = ("cu_seqlens", "max_seqlen")
+"""Batch entries describing the packing itself (Megatron's and Bridge's packed datasets carry
+``cu_seqlens`` ``[1, n + 1]``, ``cu_seqlens_argmin``, ``max_seqlen``): global values, passed
+through uncut (a ``[1, n + 1]`` tensor with ``n + 1 == T`` would else be cut like tokens)."""
+
+
+def _is_global(key: str) -> bool:
+    return key.startswith(_GLOBAL_PREFIXES)
+
+
 def _check_thd_tensor(key: str, val: torch.Tensor, total: int) -> None:
-    """A packed-batch tensor must span the whole batch along dim 1 (Megatron's ``[1, T]``);
-    anything else would pass through unsharded and fail (or be wrong) much later."""
+    """A packed-batch tensor must span the whole batch along dim 1 (Megatron's ``[1, T]``) in
+    one row; anything else would pass through unsharded and fail (or be wrong) much later."""
+    if val.dim() >= 2 and val.shape[0] != 1 and val.shape[1] == total:
+        raise CPArgumentError(
+            f"batch[{key!r}] has shape {tuple(val.shape)}: a packed (thd) micro-batch is one row [1, T, ...]; "
+            "pack its samples into that row (cu_seqlens mark them), or split bshd data without cu_seqlens"
+        )
     if val.dim() >= 2 and val.shape[1] != total:
         raise CPArgumentError(
             f"batch[{key!r}] has {val.shape[1]} tokens along dim 1 (shape {tuple(val.shape)}) but cu_seqlens "
@@ -176,13 +191,13 @@ def _shard_thd(batch: dict, cu_seqlens, cp_group, balance: str, split: dict) -> 
     ctx: CPBatchContext = getattr(params, CONTEXT_ATTR)
     total = ctx.sharding.total_tokens
     for key, val in batch.items():  # validate everything before returning anything
-        if key != "attention_mask" and isinstance(val, torch.Tensor):
+        if key != "attention_mask" and not _is_global(key) and isinstance(val, torch.Tensor):
             _check_thd_tensor(key, val, total)
     out: dict = {}
     for key, val in batch.items():
         if key == "attention_mask":
             out[key] = None  # THD attention is defined by cu_seqlens, not by a dense mask
-        elif isinstance(val, torch.Tensor) and val.dim() >= 2:
+        elif isinstance(val, torch.Tensor) and val.dim() >= 2 and not _is_global(key):
             out[key] = ctx.sharding.shard(val, rank, dim=1)
         else:
             out[key] = val
@@ -246,7 +261,8 @@ def shard_batch_for_cp(
     spans the packed batch (tokens, labels, loss_mask, position_ids) are sharded with
     :func:`~megatron_cp_ext.shard_sequences`; ``position_ids`` keep their global values (each
     token's true position in its sequence, created when absent) so RoPE stays right;
-    ``attention_mask`` becomes ``None``; ``packed_seq_params`` is added (built by
+    ``attention_mask`` becomes ``None``; entries named ``cu_seqlens*`` / ``max_seqlen*`` (the
+    packing itself) pass through uncut; ``packed_seq_params`` is added (built by
     :func:`make_packed_seq_params`, carrying the plan cache). bshd (no ``cu_seqlens``):
     Megatron's dual-chunk split of dim 1 (dim 2 for ``attention_mask``), ``s % 2cp == 0``.
 

@@ -147,8 +147,18 @@ def _batch(total: int, **extra):
         (_batch(12), [0, 5.0, 12], TE, "cu_seqlens"),  # float cu_seqlens refused, as by the core
         (_batch(12), torch.tensor([0.0, 5.0, 12.0]), TE, "cu_seqlens"),
         (_batch(12), [0, 7, 5], VE, "cu_seqlens"),
+        (_batch(12, tokens=torch.zeros(2, 12)), CU, VE, "'tokens'.*one row"),  # failed later, as a 4-D q
     ],
-    ids=["labels_short", "mask_long", "tokens_1d", "positions_1d", "cu_float", "cu_float_tensor", "cu_decreasing"],
+    ids=[
+        "labels_short",
+        "mask_long",
+        "tokens_1d",
+        "positions_1d",
+        "cu_float",
+        "cu_float_tensor",
+        "cu_decreasing",
+        "two_rows",
+    ],  # fmt: skip
 )
 def test_thd_batch_split_validates_every_tensor(megatron_batch, batch, cu, err, names):
     with pytest.raises(err, match=names):
@@ -160,6 +170,17 @@ def test_thd_batch_split_keeps_unrelated_entries(megatron_batch):
     out = megatron_batch.shard_batch_for_cp(batch, cu_seqlens=CU, cp_group=None)
     assert out["cu_seqlens"] is batch["cu_seqlens"] and out["max_seqlen"] is batch["max_seqlen"]
     assert out["attention_mask"] is None and out["tokens"].shape == (1, 12)
+
+
+def test_thd_batch_split_passes_the_packing_entries_through(megatron_batch):
+    """Megatron's packed datasets carry ``cu_seqlens`` as ``[1, n + 1]``: global values, never cut,
+    even when ``n + 1`` equals the token count (it was cut like tokens then)."""
+    cu = [0, 2, 3, 4]
+    packing = {"cu_seqlens": torch.tensor([cu]), "cu_seqlens_argmin": torch.tensor([[4]])}
+    packing["max_seqlen"] = torch.tensor([[2]])
+    batch = _batch(4, **packing)
+    out = megatron_batch.shard_batch_for_cp(batch, cu_seqlens=cu, cp_group=None)
+    assert all(out[k] is batch[k] for k in ("cu_seqlens", "cu_seqlens_argmin", "max_seqlen"))
 
 
 def test_plain_packed_seq_params_with_float_cu_seqlens_refused(megatron_batch):
