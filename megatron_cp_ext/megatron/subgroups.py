@@ -86,11 +86,13 @@ def call_group(params: Any, layer_group: Any, layer_comm_group: Any, comm_type: 
         if len(layer_ranks) == 1:
             return None
     if thd:
+        ranks = f" {_ranks(group)}" if group is not None else ""
         raise CPArgumentError(
-            f"PackedSeqParams.cp_group / local_cp_size ask for a per-call CP group of {size} (local_cp_size={local}) "
-            "with qkv_format='thd': "
-            "Megatron's hybrid CP gives sub-samples as sbhd (get_batch_on_this_hybrid_cp_rank); THD batches run "
-            "on the layer's fixed CP group"
+            f"PackedSeqParams.cp_group / local_cp_size (local_cp_size={local}) ask for a CP group of {size} "
+            f"ranks{ranks}, not this layer's CP group {layer_ranks}, with qkv_format='thd': THD batches run on the "
+            "layer's own CP group. Give shard_batch_for_cp / make_packed_seq_params the model's CP group (their "
+            "default); per-call groups are Megatron's hybrid CP, whose sub-samples come as sbhd "
+            "(get_batch_on_this_hybrid_cp_rank)"
         )
     if size == 1:
         return None if len(layer_ranks) == 1 else (None, "p2p")

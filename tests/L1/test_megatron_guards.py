@@ -169,7 +169,8 @@ def group_case(rank: int, world: int) -> str:
 
 def test_per_call_cp_group_is_refused_on_every_rank() -> None:
     for msg in run_on_ranks(2, group_case, timeout=120):
-        assert "PackedSeqParams.cp_group" in msg and "hybrid CP" in msg, msg
+        assert "PackedSeqParams.cp_group" in msg and "not this layer's CP group [0, 1]" in msg, msg
+        assert "shard_batch_for_cp" in msg and "hybrid CP" in msg, msg
 
 
 def rope_case(rank: int, world: int, rows: int) -> str:
