@@ -36,7 +36,10 @@ class PreparedCPAttention:
     layer with the same arguments). ``prepared(q, k, v)`` runs it; traceable whole by dynamo
     where the comm type's collectives are (``fullgraph``: see :attr:`fullgraph`)."""
 
-    def __init__(self, c: att._Call, plan: object) -> None:
+    def __init__(self, c: att._Call, plan: object, inputs: tuple) -> None:
+        self.inputs = inputs
+        """``(shape, dtype)`` of the planned ``q, k, v``: a call on others is refused (the plan's
+        softmax scale, head split and batch layout follow them)."""
         self.comm_type = c.comm_type
         """The comm type that runs (``auto`` resolved at planning time)."""
         self.fmt, self.seq_dims, self.cp_size = c.fmt, c.seq_dims, c.sharding.cp_size
@@ -62,18 +65,23 @@ class PreparedCPAttention:
         """Attention of this rank's ``q, k, v`` (the shapes, dtype and device planned for)."""
         if (softmax_offset is not None) != self.has_offset:
             raise CPArgumentError("softmax_offset must be passed iff it was passed to plan_cp_attention")
+        got = _shapes(q, k, v)
+        if got != self.inputs:
+            raise CPArgumentError(
+                f"q, k, v (shape, dtype) {got} differ from the planned call's {self.inputs}: call "
+                "plan_cp_attention once per micro-batch, on tensors of that micro-batch's shapes"
+            )
         if self.seq_dims is not None:
             q, k, v, _ = seq_to_thd(q, k, v, self.fmt)
             q, k, v = (rows_to_thd(x, self.cp_size) for x in (q, k, v))
-        if q.shape[0] != self.tokens or q.shape[1] != self.hq or k.shape[1] != self.hkv:
-            raise CPArgumentError(
-                f"q {tuple(q.shape)} / k {tuple(k.shape)} do not match the planned call "
-                f"({self.tokens} tokens, {self.hq} query and {self.hkv} KV heads)"
-            )
         out = (_attend if self.fullgraph else _attend_eager)(self, q, k, v, softmax_offset)
         if self.seq_dims is not None:
             out = thd_to_seq(out, self.fmt, self.seq_dims, self.cp_size)
         return out
+
+
+def _shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
+    return tuple((tuple(x.shape), x.dtype) for x in (q, k, v))
 
 
 def _attend(p: PreparedCPAttention, q, k, v, offset) -> torch.Tensor:
@@ -130,4 +138,4 @@ def plan_cp_attention(
         att.agr.raise_everywhere(err, known.groups, known.cp_size, known.cp_rank)
         raise  # unreachable: raise_everywhere always raises
     att._agree(c)
-    return PreparedCPAttention(c, att._get_plan(c))
+    return PreparedCPAttention(c, att._get_plan(c), _shapes(q, k, v))

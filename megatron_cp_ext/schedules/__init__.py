@@ -65,3 +65,5 @@ def prepare_plan(plan, device: torch.device) -> None:
         (staged if plan.staged is not None else p2p).prepare(plan, device)
     else:
         plan.step.on(device)
+        if isinstance(plan, all_gather.GatherPlan) and plan.keep is not None:
+            plan.keep_on(device)  # else first made while a compiled prepared call traces

@@ -128,7 +128,8 @@ def choose(heads, counts: list[int], hq: int, hkv: int, d: int, dv: int, dtype: 
     q_parts, kv_parts = heads
     if GROUPS is not None:
         return next((c for c in (*_CANDIDATES, 1) if c <= GROUPS and valid(heads, hq, hkv, c, ring)), 1)
-    m = max(range(len(q_parts)), key=lambda i: q_parts[i][1] - q_parts[i][0])
+    widths = [b - a for a, b in q_parts]
+    m = widths.index(max(widths))  # not max(key=): dynamo traces this (prepared a2a, dynamic=True)
     rows, nq, nkv = sum(counts), q_parts[m][1] - q_parts[m][0], kv_parts[m][1] - kv_parts[m][0]
     size, wide = dtype.itemsize, 8 if dtype == torch.float64 else 4  # the acc dtype's
     # dout and output in head layout, the kernel's dq (the ring's: its accumulator)

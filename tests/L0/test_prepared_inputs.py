@@ -1,0 +1,51 @@
+"""A prepared call runs only on tensors of the shapes and dtype it was planned for.
+
+Its plan fixes the softmax scale (from the head dim), the head split and, for bshd/sbhd, the
+batch layout; a call on other tensors with the same token count used to run: a head dim of 16
+on a plan for 8 attended with the scale 1/sqrt(8), a bshd batch of 4 x 4 on a plan for 2 x 8
+attended as two sequences and came back shaped for the plan. Now it raises, naming the shapes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import megatron_cp_ext as mcx
+from megatron_cp_ext.testing.reference import dense_attention
+
+
+def _thd(d: int, heads=(4, 2, 2), tokens: int = 12, dtype=torch.float64):
+    return [torch.randn(tokens, h, d, dtype=dtype) for h in heads]
+
+
+def test_the_planned_call_runs_and_matches_dense():
+    q, k, v = _thd(8)
+    prepared = mcx.plan_cp_attention(q, k, v, cp_group=None, sharding=mcx.shard_sequences([0, 5, 12], 1))
+    want = dense_attention(q, k, v, [0, 5, 12], causal=True)
+    torch.testing.assert_close(prepared(q, k, v), want, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: _thd(16),  # head dim: the plan's scale is 1/sqrt(8)
+        lambda: _thd(8, heads=(2, 2, 2), tokens=24),  # same elements, other heads and tokens
+        lambda: _thd(8, dtype=torch.float32),
+    ],
+    ids=["head_dim", "heads", "dtype"],
+)
+def test_thd_call_on_other_tensors_is_refused(call):
+    q, k, v = _thd(8)
+    prepared = mcx.plan_cp_attention(q, k, v, cp_group=None, sharding=mcx.shard_sequences([0, 5, 12], 1))
+    with pytest.raises(mcx.CPArgumentError, match="planned call"):
+        prepared(*call())
+
+
+@pytest.mark.parametrize("fmt", ["bshd", "sbhd"])
+def test_seq_format_call_on_another_batch_layout_is_refused(fmt):
+    shape = (lambda b, s: (b, s, 4, 8)) if fmt == "bshd" else (lambda b, s: (s, b, 4, 8))
+    planned = [torch.zeros(shape(2, 16), dtype=torch.float64) for _ in range(3)]
+    prepared = mcx.plan_cp_attention(*planned, cp_group=None, qkv_format=fmt)
+    with pytest.raises(mcx.CPArgumentError, match="planned call"):
+        prepared(*[torch.randn(shape(4, 8), dtype=torch.float64) for _ in range(3)])
