@@ -116,6 +116,8 @@ class _Call:
     """Softmax offset (attention sink) per query head, or None."""
     max_logit: bool = False
     """``return_max_logit``: also run the max-logit all-reduce (must agree across ranks)."""
+    auto: bool = False
+    """``comm_type="auto"`` was asked for (``comm_type`` is its choice)."""
 
 
 def _prepare(q, k, v, a: dict, known: _Known) -> _Call:
@@ -168,8 +170,9 @@ def _prepare(q, k, v, a: dict, known: _Known) -> _Call:
     grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, offset) if x is not None)
     scale = scale if scale is not None else 1.0 / math.sqrt(shapes.dqk)
     return _Call(
-        q, k, v, shapes, groups, comm_type, fmt, seq_dims, sharding, mask, scale, backend, check, grad, heads, offset
-    )
+        q, k, v, shapes, groups, comm_type, fmt, seq_dims, sharding, mask, scale, backend, check, grad, heads, offset,
+        auto=auto,
+    )  # fmt: skip
 
 
 THD_FIX = "Pass cp_attention the sharding that split the data (one CPSharding per micro-batch for every layer)"
@@ -246,6 +249,7 @@ def _signature(c: _Call, state: dict) -> tuple[int, ...]:
         grad=c.grad, sink=c.offset is not None,
         cu_crc=state["cu_crc"], total_tokens=state["total_tokens"], num_seqs=state["num_seqs"],
         seg_crc=state["seg_crc"], tokens=s.tokens, rank_tokens=c.sharding.num_tokens(g.rank), max_logit=c.max_logit,
+        auto=c.auto,
     )  # fmt: skip
 
 

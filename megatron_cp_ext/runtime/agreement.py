@@ -19,6 +19,7 @@ import struct
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -33,14 +34,14 @@ ERROR_WAIT_S = 60.0
 """How long a rank with an invalid argument waits for the others to join the exchange before
 raising its error alone (they may be running attention on a cached plan; see check mode)."""
 
-_MAGIC = 0x4D4358_0C  # "MCX", signature layout 12: a rank with another layout never matches
+_MAGIC = 0x4D4358_0D  # "MCX", signature layout 13: a rank with another layout never matches
 _MSG_LEN = 1024
 
 FIELDS = (
     "magic", "error", "global_rank", "cp_rank", "comm_type", "cp_size", "a2a_size",
     "a2a_name", "a2a_members", "p2p_name", "p2p_members", "qkv_format", "check", "batch", "seq_local",
     "dtype", "device", "hq", "hkv", "dqk", "dv", "causal", "left", "right", "chunk", "scale", "backend",
-    "grad", "sink", "cu_crc", "total_tokens", "num_seqs", "seg_crc", "tokens", "rank_tokens", "max_logit",
+    "grad", "sink", "cu_crc", "total_tokens", "num_seqs", "seg_crc", "tokens", "rank_tokens", "max_logit", "auto",
 )  # fmt: skip
 """Signature layout (one int64 each); -1 where an erroring rank could not tell."""
 
@@ -201,14 +202,21 @@ _AGREE: list[tuple[tuple[str, ...], str, str, Callable]] = [
 ]  # fmt: skip
 
 
-def _differs(sigs: list[dict], fields: tuple[str, ...], name: str, note: str, show: Callable) -> str | None:
+def _parts(sigs: list[dict], fields: tuple[str, ...], show: Callable) -> str | None:
+    """``"<value> on CP ranks [..]; ..."`` where the ranks' ``fields`` differ, else None."""
     values: dict = defaultdict(list)
     for s in sigs:
         key = s[fields[0]] if len(fields) == 1 else tuple(s[f] for f in fields)
         values[key].append(s["cp_rank"])
     if len(values) < 2:
         return None
-    parts = "; ".join(f"{show(v)} on CP ranks {r}" for v, r in sorted(values.items(), key=lambda kv: kv[1]))
+    return "; ".join(f"{show(v)} on CP ranks {r}" for v, r in sorted(values.items(), key=lambda kv: kv[1]))
+
+
+def _differs(sigs: list[dict], fields: tuple[str, ...], name: str, note: str, show: Callable) -> str | None:
+    parts = _parts(sigs, fields, show)
+    if parts is None:
+        return None
     return f"{name} differs across CP ranks{note}: {parts}. Every CP rank must pass the same {name}"
 
 
@@ -237,11 +245,25 @@ def _layout_error(sigs: list[dict]) -> str | None:
     return None
 
 
+def _auto_differs(sigs: list[dict], chose: str) -> NoReturn:
+    """Every rank asked for ``comm_type="auto"`` and they chose differently: name the input that
+    differs where one does (auto prices shapes and dtype), else auto's profile."""
+    for spec in _AGREE[3:]:
+        if cause := _differs(sigs, *spec):
+            raise CPRankMismatchError(f"{cause} (so comm_type='auto' chose differently too)")
+    raise CPRankMismatchError(
+        f"comm_type='auto' chose differently across CP ranks ({chose}) with the same inputs: auto's "
+        "profile differs (set_auto_profile / MCX_PLAN_PROFILE); set the same on every rank"
+    )
+
+
 def check_signatures(sigs: list[dict]) -> None:
     """Raise the same :class:`CPRankMismatchError` on every rank if any rank disagrees."""
     sigs = sorted(sigs, key=lambda s: (s["cp_rank"], s["global_rank"]))
     if len({s["magic"] for s in sigs}) > 1:
         raise CPRankMismatchError("megatron_cp_ext versions differ across CP ranks (signature layouts differ)")
+    if all(s["auto"] == 1 for s in sigs) and (chose := _parts(sigs, ("comm_type",), _name(_COMM))):
+        _auto_differs(sigs, chose)
     for spec in _AGREE[:3]:
         if msg := _differs(sigs, *spec):
             raise CPRankMismatchError(msg)

@@ -168,3 +168,37 @@ def test_megatron_layer_auto_matches_cp1(hcp):
         assert candidates == CANDIDATES[hcp is not None], candidates
         bad = {k: v for k, v in per_rank.items() if v > 2e-5}
         assert not bad, f"rank {rank}: auto differs from CP1: {bad}"
+
+
+def _mismatch_worker(rank, world, what):
+    """``auto`` on every rank, its choice flipped on rank 1 by its profile or by q/k/v's dtype."""
+    if what == "profile":
+        auto.set_auto_profile(load_profile("cpu-gloo", **PROFILES[("launch-bound", "link-bound")[rank]]))
+        sharding, dtype = AttnCase(seqlens=SEQLENS, balance="dualchunk").sharding(world), torch.float64
+    else:  # on an H100's profile this batch's choice follows the element size
+        auto.set_auto_profile("h100")
+        sharding, dtype = mcx.shard_sequences([0, 1000, 1024], world), (torch.float64, torch.float32)[rank]
+    q, k, v = (torch.randn(sharding.num_tokens(rank), h, 8, dtype=dtype) for h in (4, 2, 2))
+    try:
+        mcx.cp_attention(q, k, v, cp_group=torch.distributed.group.WORLD, comm_type="auto", sharding=sharding)
+    except mcx.CPRankMismatchError as err:
+        return str(err)
+    finally:
+        auto.set_auto_profile(None)
+    return "ran"
+
+
+@pytest.mark.parametrize(
+    "what, needles",
+    [
+        ("profile", ("comm_type='auto' chose differently", "'a2a' on CP ranks [0]", "set_auto_profile")),
+        ("dtype", ("dtype differs", "torch.float32", "comm_type='auto' chose differently too")),
+    ],
+)
+def test_auto_choices_that_differ_name_the_cause(what, needles):
+    """Every rank passed ``comm_type="auto"``: a differing choice is not reported as a differing
+    ``comm_type`` argument, but as the input that differs (dtype here) or, with equal inputs,
+    auto's profile; the same message on every rank."""
+    msgs = run_on_ranks(2, _mismatch_worker, what, timeout=120)
+    assert len(set(msgs)) == 1, msgs
+    assert all(n in msgs[0] for n in needles), msgs[0]
