@@ -104,3 +104,17 @@ def test_bad_arguments():
     sh = mcx.shard_sequences([0, 4], 2)
     with pytest.raises(ValueError, match="tokens"):
         sh.shard(torch.zeros(5), 0)
+
+
+def test_replace_gives_the_new_split_fresh_caches():
+    """``dataclasses.replace`` with other segments: the copy's ``shard`` follows its own segments
+    (the caches were init fields once, shared with the original and its cut rows)."""
+    import dataclasses
+
+    cu = [0, 7, 37, 48]
+    work, dual = mcx.shard_sequences(cu, 2), mcx.shard_sequences(cu, 2, balance="dualchunk")
+    positions = torch.cat([torch.arange(b - a) for a, b in zip(cu[:-1], cu[1:])])
+    work.shard(positions, 0)  # fills work's caches
+    copy = dataclasses.replace(work, seg=dual.seg.copy(), rank_ptr=dual.rank_ptr.copy(), balance="dualchunk")
+    assert torch.equal(copy.shard(positions, 0), dual.shard(positions, 0))
+    assert torch.equal(copy.shard(positions, 0), copy.positions(0))
