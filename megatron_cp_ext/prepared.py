@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from . import attention as att
-from .runtime.validation import CPArgumentError, as_bool
+from .runtime.validation import CPArgumentError, CPArgumentTypeError, as_bool
 from .schedules import a2a, prepare_plan, schedule_of
 from .schedules.common import Run
 from .schedules.p2p import P2PPlan
@@ -51,6 +51,12 @@ class PreparedCPAttention:
         self._run = Run(plan=plan, group=c.groups.p2p, backend=c.backend, scale=c.scale, dk=c.shapes.dqk)
         self._schedule: ModuleType = schedule_of(plan)
         prepare_plan(plan, c.q.device)  # a lookup where `_get_plan` built the plan here
+
+    def __reduce__(self):
+        raise CPArgumentTypeError(
+            "a PreparedCPAttention holds its process groups and device tensors: it does not pickle or deep-copy. "
+            "Pickle the CPSharding (plans travel without device state) and call plan_cp_attention where it runs"
+        )
 
     @property
     def fullgraph(self) -> bool:

@@ -49,3 +49,14 @@ def test_seq_format_call_on_another_batch_layout_is_refused(fmt):
     prepared = mcx.plan_cp_attention(*planned, cp_group=None, qkv_format=fmt)
     with pytest.raises(mcx.CPArgumentError, match="planned call"):
         prepared(*[torch.randn(shape(4, 8), dtype=torch.float64) for _ in range(3)])
+
+
+@pytest.mark.parametrize("copy", ["pickle", "deepcopy"])
+def test_a_prepared_call_does_not_copy_and_says_why(copy):
+    import copy as copying
+    import pickle
+
+    q, k, v = _thd(8)
+    prepared = mcx.plan_cp_attention(q, k, v, cp_group=None, sharding=mcx.shard_sequences([0, 5, 12], 1))
+    with pytest.raises(mcx.CPArgumentTypeError, match="Pickle the CPSharding"):
+        pickle.dumps(prepared) if copy == "pickle" else copying.deepcopy(prepared)
