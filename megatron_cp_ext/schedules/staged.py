@@ -90,7 +90,8 @@ def _move_into(dst: torch.Tensor, src: torch.Tensor, moves: Moves) -> None:
             dst[d0 : d0 + n].copy_(src[s0 : s0 + n])
         return
     s_idx, d_idx = moves.on(dst.device)
-    dst.index_copy_(0, d_idx, src if moves.identity_src else gather_rows(src, s_idx))
+    # identity: src's leading rows in order (a view; src may hold rows the move leaves out)
+    dst.index_copy_(0, d_idx, src[: len(moves.src)] if moves.identity_src else gather_rows(src, s_idx))
 
 
 def _exchange(run: Run, own: KV) -> tuple[KV | None, list, list]:

@@ -52,7 +52,8 @@ class Moves:
 
     @functools.cached_property
     def identity_src(self) -> bool:
-        """Whether ``src`` is every source row in order (no gather needed on that side)."""
+        """Whether ``src`` is ``0 .. len(src) - 1``: the source buffer's leading rows in order (no
+        gather on that side; the buffer may hold more rows, which the move leaves out)."""
         return bool(len(self.src) == 0 or (self.src[0] == 0 and (np.diff(self.src) == 1).all()))
 
     def on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -66,3 +66,19 @@ def test_moves_runs():
     assert m.runs == ((0, 4, 3), (7, 0, 2)) and not m.identity_src
     assert Moves(np.arange(3), np.array([2, 0, 1])).identity_src
     assert Moves(np.arange(20), np.arange(20)[::-1].copy()).runs is None  # 20 runs > MAX_RUNS
+
+
+def test_identity_move_takes_the_leading_rows():
+    """An identity-source move may leave the buffer's last rows out: it copies the leading ones."""
+    import torch
+
+    from megatron_cp_ext.schedules.staged import _move_into
+
+    src = torch.arange(10.0)[:, None]
+    dst = torch.zeros(12, 1)
+    moves = Moves(np.arange(9), np.array([11, 9, 7, 5, 3, 1, 0, 2, 4]))  # 9 runs: by index
+    assert moves.runs is None and moves.identity_src
+    _move_into(dst, src, moves)
+    want = torch.zeros(12, 1)
+    want[moves.dst] = src[:9]
+    assert torch.equal(dst, want)

@@ -66,3 +66,14 @@ def test_staged_moves_by_index(world, mask):
     case = AttnCase(seqlens=seqlens, segments=tuple(tuple(x) for x in segs), hkv=2, p2p_schedule="staged-index",
                     seed=world, **kw)  # fmt: skip
     check_case(run_on_ranks(world, run_case, case), case)
+
+
+@pytest.mark.parametrize("schedule", ["", "staged-index"], ids=["default", "by-index"])
+def test_staged_own_rows_fewer_than_the_block(schedule):
+    """a2a+p2p's staged ring across 5 groups of one (the package's default schedule, and every
+    move by index): a rank whose joined buffer takes only some of its own rows, the first ones
+    in order, copies them from the leading rows (it copied the whole block: an IndexError on
+    that CP rank alone, the others waiting in their exchange)."""
+    case = AttnCase(seqlens=(24, 134, 0, 1, 0, 8, 32, 177, 2), comm_type="a2a+p2p", a2a_size=1, hq=4, hkv=2,
+                    causal=True, window_size=(20, -1), balance="dualchunk", p2p_schedule=schedule)  # fmt: skip
+    check_case(run_on_ranks(5, run_case, case, timeout=180), case)
