@@ -100,8 +100,7 @@ class CPSharding:
     """How the segments were chosen (one of :data:`BALANCES`, or "custom")."""
     token_multiple: int = 1
     """The multiple the per-rank token counts were dealt in (:func:`rank_counts`); 1 for custom."""
-    # not init fields: dataclasses.replace gives a new split fresh caches (it shared the old ones)
-    _cache: dict = field(default_factory=dict, init=False, repr=False)
+    _cache: dict = field(default_factory=dict, init=False, repr=False)  # not init: replace() gets fresh ones
     _plans: dict = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
