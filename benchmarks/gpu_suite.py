@@ -143,6 +143,13 @@ def step_build(dry: bool) -> None:
     print(f"megatron_cp_ext.runtime.ops.HAS_CUDA_EXT in a fresh process: {check.stdout.strip()} {check.stderr[-500:]}")
 
 
+def _sigint_default() -> None:
+    """In the child: SIGINT as Python expects it. An ignored SIGINT is inherited across exec
+    (a parent that ignores it, as a test process did, made pytest deaf to the interrupt:
+    killed after the grace, no XML)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def run_tests(out: Path, budget: float, dry: bool, paths: tuple[str, ...] = ()) -> tuple[int, str]:
     """``tests/gpu`` (or ``paths``) with junit XML into DIR; the console tail goes to the suite's
     output. Out of time, pytest is interrupted (SIGINT) rather than killed, so the XML still
@@ -152,7 +159,8 @@ def run_tests(out: Path, budget: float, dry: bool, paths: tuple[str, ...] = ()) 
            f"--junitxml={out / 'tests.xml'}", "-o", "junit_family=xunit1",
            "-o", "junit_logging=system-out"]  # fmt: skip  # printed RESULT lines (the p2p overlap) kept
     with tempfile.TemporaryFile("w+") as console:  # not a pipe: nothing blocks on a full one; not in DIR
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=console, stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=console, stderr=subprocess.STDOUT, text=True,
+                                preexec_fn=_sigint_default)  # fmt: skip
         try:
             rc = proc.wait(timeout=budget)
         except subprocess.TimeoutExpired:
