@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import collections
 import threading
-import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -329,9 +328,8 @@ def run_threads(
         try:
             for t in threads:
                 t.start()
-            deadline = time.monotonic() + timeout  # one deadline for the run, not one per thread
             for t in threads:
-                t.join(max(0.0, deadline - time.monotonic()))
+                t.join(timeout)
             hung = [r for r, t in enumerate(threads) if t.is_alive()]
             if hung:
                 errors = [f"--- rank {r} ---\n{v[1]}" for r, v in enumerate(results) if v is not None and not v[0]]
