@@ -164,21 +164,23 @@ def count_refusal(sharding: CPSharding, cp_size: int, equal_for: str | None) -> 
     """What a Megatron layer cannot run with this split's token counts (host values, the same on
     every rank): a CP rank without tokens (Megatron's q/k/v reshapes fail on it), or, when
     ``equal_for`` names router losses (:func:`router_losses`), counts that differ."""
-    counts = list(sharding.counts())
+    counts = sharding.counts()  # cached on the sharding: every layer asks
+    empty, unequal = cp_size > 1 and min(counts) == 0, bool(equal_for) and len(set(counts)) > 1
+    if not (empty or unequal):
+        return None
+    counts = list(counts)
     what = f"the micro-batch's {sharding.balance!r} split gives counts {counts} ({sharding.total_tokens} tokens"
-    if cp_size > 1 and min(counts) == 0:
+    if empty:
         return CPArgumentError(
             f"{what} over CP {cp_size}): CP rank {counts.index(0)} gets no tokens, and Megatron's attention layers "
             "cannot run a CP rank without tokens. Pack at least one token per CP rank into every micro-batch (pad "
             "it), or run CPCoreAttention alone"
         )
-    if equal_for and len(set(counts)) > 1:
-        return CPArgumentError(
-            f"{what} over CP {cp_size}), but the MoE router losses {equal_for} assume every CP rank holds as many "
-            f"tokens (they would weigh the ranks' tokens unequally, unlike CP 1). Pad every packed micro-batch to a "
-            f"multiple of {cp_size} x token_multiple tokens (a padding document with loss_mask 0)"
-        )
-    return None
+    return CPArgumentError(
+        f"{what} over CP {cp_size}), but the MoE router losses {equal_for} assume every CP rank holds as many "
+        f"tokens (they would weigh the ranks' tokens unequally, unlike CP 1). Pad every packed micro-batch to a "
+        f"multiple of {cp_size} x token_multiple tokens (a padding document with loss_mask 0)"
+    )
 
 
 def check_layout_name(balance: Any, name: str) -> str:
