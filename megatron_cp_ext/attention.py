@@ -44,6 +44,7 @@ from .runtime.validation import (
 from .schedules import a2a, build_plan, prepare_plan, schedule_of
 from .schedules.common import Run, apply_sink, sink_grad
 from .schedules.delta import row_dot
+from .schedules.first_order import first_order
 from .schedules.max_logit import new_max_logit, reduce_max_logit
 from .sharding import CPSharding, splits
 from .sharding.seq_layout import fixed_length_sharding, rows_to_thd, seq_to_thd, thd_to_seq
@@ -73,6 +74,7 @@ class _CPAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @first_order  # create_graph=True gives gradients whose second derivative raises
     def backward(ctx, dout: torch.Tensor):
         q, k, v, out, lse, offset = ctx.saved_tensors
         dout = dout.contiguous()
@@ -158,7 +160,7 @@ def _prepare(q, k, v, a: dict, known: _Known) -> _Call:
             f"q has {shapes.tokens} tokens but the sharding gives CP rank {groups.rank} "
             f"{sharding.num_tokens(groups.rank)} (shard inputs with sharding.shard(x, rank))"
         )
-    _check_data_split(sharding, fmt, seq_dims)
+    _check_data_split(sharding, fmt, seq_dims, groups.rank)
     backend = get_backend(shapes.device, backend_name)
     check_backend_dtype(resolved_name(backend), shapes.dtype)
     offset = check_offset(a["softmax_offset"], shapes)
@@ -183,13 +185,13 @@ SEQ_FIX = (
 )
 
 
-def _check_data_split(sharding: CPSharding, fmt: str, seq_dims: tuple[int, int] | None) -> None:
+def _check_data_split(sharding: CPSharding, fmt: str, seq_dims: tuple[int, int] | None, rank: int) -> None:
     """The attention's split is one this process split the data with (when it split data of
     these ``cu_seqlens`` at all), else the same ``CPArgumentError`` on every rank (design
     rule 5). bshd/sbhd data cut along its sequence dimension was split as one sequence
     ``[0, s]``; that split must be the dual-chunk one these formats attend with."""
     if fmt == "thd":
-        msg = splits.disagreement(sharding, "the sharding passed to cp_attention", THD_FIX)
+        msg = splits.disagreement(sharding, "the sharding passed to cp_attention", THD_FIX, rank)
     else:
         layer = f"Megatron's dual-chunk split (qkv_format={fmt!r})"
         msg = splits.disagreement(sharding, layer, SEQ_FIX)
@@ -365,7 +367,7 @@ def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: dict):
         c = _prepare(q, k, v, args, known)
         c.max_logit = as_bool(args["return_max_logit"], "return_max_logit")
     except (ValueError, TypeError) as err:
-        agr.raise_everywhere(err, known.groups, known.cp_size, known.cp_rank)
+        agr.raise_everywhere(err, known.groups, known.cp_size, known.cp_rank, cp_group=args["cp_group"])
         raise  # unreachable: raise_everywhere always raises
     _agree(c)
     plan = _get_plan(c)

@@ -38,8 +38,11 @@ class PreparedCPAttention:
 
     def __init__(self, c: att._Call, plan: object, inputs: tuple) -> None:
         self.inputs = inputs
-        """``(shape, dtype)`` of the planned ``q, k, v``: a call on others is refused (the plan's
-        softmax scale, head split and batch layout follow them)."""
+        """``(shape, dtype, device)`` of the planned ``q, k, v``: a call on others is refused (the
+        plan's softmax scale, head split and batch layout follow them)."""
+        self.grad = c.grad
+        """Whether the planned call runs a backward (agreed by every CP rank): a call that
+        differs is refused, or one rank would enter the backward's collectives alone."""
         self.comm_type = c.comm_type
         """The comm type that runs (``auto`` resolved at planning time)."""
         self.fmt, self.seq_dims, self.cp_size = c.fmt, c.seq_dims, c.sharding.cp_size
@@ -74,8 +77,15 @@ class PreparedCPAttention:
         got = _shapes(q, k, v)
         if got != self.inputs:
             raise CPArgumentError(
-                f"q, k, v (shape, dtype) {got} differ from the planned call's {self.inputs}: call "
+                f"q, k, v (shape, dtype, device) {got} differ from the planned call's {self.inputs}: call "
                 "plan_cp_attention once per micro-batch, on tensors of that micro-batch's shapes"
+            )
+        grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, softmax_offset) if x is not None)
+        if grad != self.grad:
+            raise CPArgumentError(
+                f"this call {'runs' if grad else 'runs no'} backward (grad mode and requires_grad of q, k, v, "
+                f"softmax_offset) but plan_cp_attention agreed on {'one' if self.grad else 'none'} with every "
+                "CP rank: plan on tensors (and in a grad mode) like the call's"
             )
         if self.seq_dims is not None:
             q, k, v, _ = seq_to_thd(q, k, v, self.fmt)
@@ -87,7 +97,7 @@ class PreparedCPAttention:
 
 
 def _shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
-    return tuple((tuple(x.shape), x.dtype) for x in (q, k, v))
+    return tuple((tuple(x.shape), x.dtype, x.device) for x in (q, k, v))
 
 
 def _attend(p: PreparedCPAttention, q, k, v, offset) -> torch.Tensor:
@@ -141,7 +151,7 @@ def plan_cp_attention(
         c = att._prepare(q, k, v, args, known)
         as_bool(check, "check")
     except (ValueError, TypeError) as err:
-        att.agr.raise_everywhere(err, known.groups, known.cp_size, known.cp_rank)
+        att.agr.raise_everywhere(err, known.groups, known.cp_size, known.cp_rank, cp_group=args["cp_group"])
         raise  # unreachable: raise_everywhere always raises
     att._agree(c)
     return PreparedCPAttention(c, att._get_plan(c), _shapes(q, k, v))

@@ -220,7 +220,7 @@ def check_split(ctx: CPBatchContext) -> None:
     """The layer's split is the one this process split the micro-batch's data with, or the same
     :class:`CPArgumentError` on every rank (each rank split its own data the same way), naming
     both splits and the fix. A generation compare when nothing new was split (every layer)."""
-    msg = splits.disagreement(ctx.layout or ctx.sharding, ctx.made_by, MEGATRON_FIX)
+    msg = splits.disagreement(ctx.layout or ctx.sharding, ctx.made_by, MEGATRON_FIX, ctx.rank)
     if msg is not None:
         raise CPArgumentError(msg)
 

@@ -29,7 +29,7 @@ from megatron.core.transformer.utils import is_layer_window_attention
 from .. import COMM_TYPES, cp_attention
 from ..backends import BACKENDS
 from ..runtime import agreement
-from ..runtime.groups import HierarchicalCPGroups, cp_groups
+from ..runtime.groups import HierarchicalCPGroups
 from ..runtime.validation import CPArgumentError, as_bool, as_choice, as_chunk, as_window
 from .context import LAYOUTS, CPBatchContext, check_token_multiple, count_refusal, cp_context, router_losses
 from .qk_clip import record_max_logit, wants_max_logits
@@ -105,9 +105,11 @@ def hierarchical_groups_from_sizes(cp_group: dist.ProcessGroup, sizes: Sequence[
     """``[a2a_group, p2p_group]`` for ``cp_group`` split as ``sizes = [a2a, p2p]``.
 
     For launchers that set ``hierarchical_context_parallel_sizes`` on the model config but do
-    not create Megatron's hierarchical groups (NeMo 2). Collective over the default group
-    (every rank builds the same layers in the same order); created once and cached. a2a
-    groups are consecutive CP ranks: CP rank = p2p_rank * a2a + a2a_rank, as in Megatron.
+    not create Megatron's hierarchical groups (NeMo 2). Collective over ``cp_group`` only
+    (groups with local synchronization): pipeline stages build different layers, and a layer
+    that runs ``a2a+p2p`` on one stage must not wait for the other stages. Created once and
+    cached. a2a groups are consecutive CP ranks: CP rank = p2p_rank * a2a + a2a_rank, as in
+    Megatron.
     """
     ranks = tuple(dist.get_process_group_ranks(cp_group))
     sizes = tuple(int(x) for x in sizes)
@@ -115,22 +117,13 @@ def hierarchical_groups_from_sizes(cp_group: dist.ProcessGroup, sizes: Sequence[
         raise ValueError(f"hierarchical CP sizes must be [a2a, p2p] with product {len(ranks)}, got {list(sizes)}")
     key = (ranks, sizes)
     if key not in _HCP_CACHE:
-        everyone: list = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, ranks)
-        a2a = sizes[0]
-        for group_ranks in sorted(set(everyone)):
-            levels = (
-                [list(group_ranks[i : i + a2a]) for i in range(0, len(group_ranks), a2a)],
-                [list(group_ranks[j::a2a]) for j in range(a2a)],
-            )
-            mine: list = [None, None]
-            for level, subgroups in enumerate(levels):
-                for sub in subgroups:
-                    g = dist.new_group(sub)
-                    if dist.get_rank() in sub:
-                        mine[level] = g
-            if group_ranks == ranks:
-                _HCP_CACHE[key] = HierarchicalCPGroups(mine[0], mine[1], cp_group)
+        a2a, me = sizes[0], ranks.index(dist.get_rank())
+        first = me - me % a2a
+        mine = [
+            dist.new_group(list(ranks[first : first + a2a]), use_local_synchronization=True),
+            dist.new_group(list(ranks[me % a2a :: a2a]), use_local_synchronization=True),
+        ]
+        _HCP_CACHE[key] = HierarchicalCPGroups(mine[0], mine[1], cp_group)
     return _HCP_CACHE[key]
 
 
@@ -264,14 +257,8 @@ class CPCoreAttention(MegatronModule):
         """Raise ``err`` on every CP rank: a rank whose data was split otherwise (it recorded
         another split, or none) would else attend alone and wait in its first exchange. This
         rank joins ``cp_attention``'s consistency exchange with the error flag (never returns)."""
-        comm = self.cp_comm_type if self.cp_size > 1 else "p2p"
-        if comm == "auto":
-            comm = "a2a+p2p" if isinstance(self.comm_group, (list, tuple)) else "p2p"
-        try:
-            groups = cp_groups(self.comm_group, comm)
-        except (TypeError, ValueError):
-            raise err from None
-        agreement.raise_everywhere(err, groups, self.cp_size, self.cp_rank, wait=REFUSAL_WAIT_S)
+        group = self.comm_group if self.cp_size > 1 else None
+        agreement.raise_everywhere(err, None, self.cp_size, self.cp_rank, wait=REFUSAL_WAIT_S, cp_group=group)
 
     @torch.compiler.disable(reason="host side: the micro-batch's sharding and its checks")
     def local_positions(
@@ -297,12 +284,14 @@ class CPCoreAttention(MegatronModule):
         router losses, one whose counts differ (:func:`~.context.count_refusal`)."""
         ctx = self.batch_context(packed_seq_params, s_local)
         counts = ctx.sharding.counts()
-        if counts[ctx.rank] != s_local:
-            raise CPArgumentError(
-                f"CP rank {ctx.rank} holds {s_local} tokens, but the micro-batch's {ctx.sharding.balance!r} sharding "
-                f"gives it {counts[ctx.rank]} (counts {counts}): the batch was split differently "
-                "from the layout the attention uses. Split it with shard_batch_for_cp (its packed_seq_params carry "
-                "the split), or set cu_seqlens_q_padded when it was split by TransformerEngine's THD split"
+        if counts[ctx.rank] != s_local:  # a rank whose count agrees waits in its exchange: refuse there too
+            self._refuse_everywhere(
+                CPArgumentError(
+                    f"CP rank {ctx.rank} holds {s_local} tokens, but the micro-batch's {ctx.sharding.balance!r} "
+                    f"sharding gives it {counts[ctx.rank]} (counts {counts}): the batch was split differently "
+                    "from the layout the attention uses. Split it with shard_batch_for_cp (its packed_seq_params carry "
+                    "the split), or set cu_seqlens_q_padded when it was split by TransformerEngine's THD split"
+                )
             )
         refusal = count_refusal(ctx.sharding, self.cp_size, self._equal_counts_for)
         if refusal is not None:

@@ -29,6 +29,7 @@ from megatron.core.models.common.embeddings import yarn_rotary_pos_embedding as 
 from megatron.core.transformer import multi_latent_attention as _mla_module
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
+from ..runtime.validation import CPArgumentError
 from .rope import CPRotaryEmbedding, _zigzag_positions_on
 
 __all__ = ["CPMLARotaryEmbedding", "CPMLASelfAttention", "local_token_positions"]
@@ -146,7 +147,12 @@ def local_token_positions(attention: torch.nn.Module, s_local: int, packed_seq_p
     cp_size, cp_rank = (cp.size(), cp.rank()) if cp is not None else (1, 0)
     if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
         return attention.core_attention.local_positions(packed_seq_params, s_local, device)
-    return _zigzag_positions_on(s_local, cp_size, cp_rank, torch.device(device))
+    try:
+        return _zigzag_positions_on(s_local, cp_size, cp_rank, torch.device(device))
+    except ValueError as err:  # this rank's length alone: its CP peers wait in the layer's exchange
+        if cp_size > 1:
+            attention.core_attention._refuse_everywhere(CPArgumentError(str(err)))
+        raise
 
 
 def _local_seq_len(attention: torch.nn.Module, hidden_states: torch.Tensor) -> int:

@@ -36,6 +36,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer, get_transformer_layer_offset
 from megatron.core.utils import get_pg_rank
 
+from ..runtime.validation import CPArgumentError
 from .core_attention import CPAttentionOptions, CPCoreAttention
 from .mla import CPMLASelfAttention, _local_seq_len
 from .rope import apply_rope_at_positions, local_rope_freqs
@@ -101,7 +102,14 @@ class CPSelfAttention(SelfAttention):
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             core = self.core_attention
             positions = core.local_positions(packed_seq_params, s_local, rotary_pos_emb.device, rotary_pos_emb.shape[0])
-        return local_rope_freqs(rotary_pos_emb, positions=positions, s_local=s_local, cp_size=cp_size, cp_rank=cp_rank)
+        try:
+            return local_rope_freqs(
+                rotary_pos_emb, positions=positions, s_local=s_local, cp_size=cp_size, cp_rank=cp_rank
+            )
+        except ValueError as err:  # sbhd/bshd lengths, table rows: this rank's own values
+            if cp is self.pg_collection.cp and cp_size > 1:  # its peers wait in the layer's exchange
+                self.core_attention._refuse_everywhere(CPArgumentError(str(err)))
+            raise
 
     def forward(self, hidden_states, attention_mask, *args: Any, **kwargs: Any):
         """Megatron's forward with RoPE moved to true positions (training/prefill only)."""

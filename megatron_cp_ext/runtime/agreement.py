@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from .comm import exchange_ints
-from .groups import CPGroups, ranks_crc
+from .groups import CPGroups, peek_groups, ranks_crc
 from .validation import DTYPES, CPArgumentError, CPArgumentTypeError, CPRankMismatchError
 
 __all__ = ["FIELDS", "ERROR_WAIT_S", "ExchangePath", "exchange_path", "signature", "agree", "raise_everywhere"]
@@ -74,9 +74,12 @@ def exchange_path(groups: CPGroups | None, cp_size: int | None) -> ExchangePath 
     """The group every CP rank exchanges on, or None when there is nobody to talk to."""
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    # Sizes this rank can tell (a bad call may pass a group and a sharding that disagree).
-    sizes = {n for n in (groups.size if groups is not None else None, cp_size) if n is not None}
-    if dist.get_world_size() in sizes and dist.get_world_size() > 1:
+    # The group this rank passed is where its peers exchange; only without one (or with
+    # cp_group=None, CP size 1) does the sharding's CP size stand in. A bad call may pass a
+    # group and a sharding that disagree: a sharding for the world size with a CP group of a
+    # data-parallel replica must not send its error over the world while its CP peers wait.
+    size = groups.size if groups is not None and groups.size > 1 else cp_size
+    if size == dist.get_world_size() > 1:
         return ExchangePath(group=dist.group.WORLD)  # the CP group is the world: every rank can name it
     if groups is None or groups.size <= 1:
         return None
@@ -131,14 +134,25 @@ def _raise_reported(sigs: list[dict], path: ExchangePath, own: str, timeout: flo
 
 
 def raise_everywhere(
-    err: Exception, groups: CPGroups | None, cp_size: int | None, cp_rank: int = -1, wait: float = ERROR_WAIT_S
+    err: Exception,
+    groups: CPGroups | None,
+    cp_size: int | None,
+    cp_rank: int = -1,
+    wait: float = ERROR_WAIT_S,
+    cp_group: object = None,
 ) -> None:
     """Raise a rank's own argument error on every CP rank (it never returns).
 
     The rank joins the exchange with an error flag; ranks that exchange at the same time
     (first call of a micro-batch, or check mode) see the flag and raise the same error. If no
     rank joins within ``wait`` seconds, or there is no group to talk on, it raises alone.
+    ``cp_group``: the argument as passed, for a validation that failed before it resolved
+    ``groups`` (an unknown comm type, a missing sharding): its groups are still where the
+    peers exchange.
     """
+    if groups is None and cp_group is not None:
+        groups = peek_groups(cp_group)
+        cp_rank = groups.rank if groups is not None else cp_rank
     path = exchange_path(groups, cp_size)
     if path is None:
         raise err

@@ -186,7 +186,9 @@ def exchange_ints(
     mine = torch.tensor(values, dtype=torch.int64, device=device)
     allv = [torch.empty_like(mine) for _ in range(size)]
     work = dist.all_gather(allv, mine, group=group, async_op=True)
-    if timeout is None:
+    if timeout is None or work.is_completed():
+        # a completed work needs no timed wait (a synchronous group, e.g. the threaded test
+        # runner's, has finished here and its work does not take a finite timeout)
         work.wait()
     else:
         try:

@@ -165,3 +165,14 @@ def cp_groups(cp_group: object, comm_type: str) -> CPGroups:
     if comm_type == "a2a":
         return CPGroups(g, None, info.size, info.size, info.rank, cp_group, info, None)
     return CPGroups(None, g, 1, info.size, info.rank, cp_group, None, info)
+
+
+def peek_groups(cp_group: object) -> CPGroups | None:
+    """The groups ``cp_group`` names whatever the comm type (a pair: ``a2a+p2p``'s), or None.
+
+    Where a rank whose other arguments failed validation reports its error: the group its
+    peers, given the same ``cp_group``, exchange their signatures on."""
+    try:
+        return cp_groups(cp_group, "a2a+p2p" if isinstance(cp_group, (list, tuple)) else "p2p")
+    except (TypeError, ValueError):
+        return None

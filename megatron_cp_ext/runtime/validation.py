@@ -19,6 +19,7 @@ import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 __all__ = [
@@ -105,7 +106,7 @@ def as_ints(values: object, name: str) -> list[int]:
 
 def as_bool(value: object, name: str) -> bool:
     """A flag: ``True`` or ``False`` only (``0``/``1`` are ambiguous: a count or a flag?)."""
-    if isinstance(value, bool) or type(value).__name__ == "bool_":
+    if isinstance(value, (bool, np.bool_)):
         return bool(value)
     raise CPArgumentTypeError(f"{name} must be a bool (True or False), {_got(value)}")
 

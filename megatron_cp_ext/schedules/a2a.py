@@ -32,6 +32,7 @@ from ..sharding import CPSharding
 from . import a2a_groups, p2p, staged
 from .common import KV, GradAcc, OutAcc, Run, acc_dtype, apply_sink, new_accumulators, step_forward, take
 from .delta import row_dot
+from .first_order import first_order
 from .heads import assemble, from_heads, head_room, split_heads, to_heads
 from .p2p_plan import plan_narrow, split_wide
 from .route import Route, from_group, routed
@@ -189,6 +190,7 @@ class _A2AAttention(torch.autograd.Function):
         return y
 
     @staticmethod
+    @first_order
     def backward(ctx, dout):
         plan, group, dk = ctx.run.plan, ctx.group, ctx.dk
         (q_parts, kv_parts), me = ctx.heads, plan.member

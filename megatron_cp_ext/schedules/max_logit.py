@@ -5,8 +5,8 @@ Every schedule already runs each visible pair in exactly one local call, so the 
 there (:func:`.common.step_forward` with ``Run.max_logit`` set: the backend's exact
 ``max_logit`` per call, a running max in place). Each rank then holds the max over its own
 queries (under ``a2a``, over its group's tokens for its share of the heads); one all-reduce(MAX)
-of a ``[heads]`` fp32 vector over the CP group makes it global and the same on every rank. All
-of this stays on the device: no host sync.
+of a ``[heads]`` fp32 vector (and a NaN flag per head) over the CP group makes it global and the
+same on every rank. All of this stays on the device: no host sync.
 
 The attention sink (``softmax_offset``) is not a logit of any key and does not count: QK-clip
 rescales the query and key projections, which cannot change the sink.
@@ -42,12 +42,17 @@ def reduce_max_logit(
         local = full
     if groups.size <= 1:
         return local
+    # A NaN logit stays NaN on every rank: a backend's MAX may keep or drop a NaN by operand
+    # order (gloo keeps one only from its first operand), so NaN travels as a flag beside it.
+    nan = torch.isnan(local)
+    both = torch.cat([torch.where(nan, float("-inf"), local), nan.to(local.dtype)])
     if groups.whole is not None:
-        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=groups.whole)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=groups.whole)
     elif dist.get_world_size() == groups.size:
-        dist.all_reduce(local, op=dist.ReduceOp.MAX)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX)
     else:
         for g in (groups.a2a, groups.p2p):
             if g is not None:
-                dist.all_reduce(local, op=dist.ReduceOp.MAX, group=g)
-    return local
+                dist.all_reduce(both, op=dist.ReduceOp.MAX, group=g)
+    n = local.numel()
+    return torch.where(both[n:] > 0, float("nan"), both[:n])

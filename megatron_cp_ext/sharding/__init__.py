@@ -178,7 +178,6 @@ class CPSharding:
         """Position inside its sequence of each of ``rank``'s tokens (for RoPE)."""
         return self._expand(rank, self.rank_segments(rank)[:, 1].copy())
 
-    # ---- data movement --------------------------------------------------------------------
     def shard(self, x: torch.Tensor, rank: int, dim: int = 0) -> torch.Tensor:
         """Global tokens along ``dim`` -> the tokens ``rank`` holds, in its local order."""
         rank = self._rank(rank)
@@ -189,16 +188,17 @@ class CPSharding:
             raise CPArgumentError(
                 f"x has {x.shape[dim]} tokens along dim {dim}, cu_seqlens describe {self.total_tokens}"
             )
-        splits.record(self)  # the data split itself: a layer that would use another one refuses
+        splits.record(self, rank)  # the data split itself: a layer that would use another one refuses
         return x.index_select(dim, self.global_index(rank).to(x.device))
 
     def unshard(self, xs: Sequence[torch.Tensor], dim: int = 0) -> torch.Tensor:
         """Exact inverse of :meth:`shard`: per-rank tensors (in rank order) -> global tokens."""
         if len(xs) != self.cp_size:
-            raise ValueError(f"unshard needs one tensor per rank ({self.cp_size}), got {len(xs)}")
+            raise CPArgumentError(f"unshard needs one tensor per rank ({self.cp_size}), got {len(xs)}")
+        dim = as_int(dim, "dim", minimum=-max(xs[0].dim(), 1), maximum=max(xs[0].dim(), 1) - 1)
         for r, x in enumerate(xs):
             if x.shape[dim] != self.num_tokens(r):
-                raise ValueError(
+                raise CPArgumentError(
                     f"rank {r}'s tensor has {x.shape[dim]} tokens, the sharding gives it {self.num_tokens(r)}"
                 )
         cat = torch.cat(list(xs), dim=dim)

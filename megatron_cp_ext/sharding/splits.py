@@ -55,6 +55,9 @@ class Split:
 
 _LOCK = threading.Lock()
 _RECENT: OrderedDict[tuple, dict[bytes, Split]] = OrderedDict()
+_RANKS: dict[tuple, set[int] | None] = {}
+"""Per ``(key, fingerprint)``: the CP ranks whose tokens this process took with
+:meth:`CPSharding.shard`, or None when a split arrived whole (unpickled: any rank's data)."""
 _GEN = [0]
 
 
@@ -91,21 +94,29 @@ def _key(cu_seqlens, cp_size: int) -> tuple:
     return (int(cp_size), tuple(int(c) for c in cu_seqlens))
 
 
-def record(sharding: CPSharding) -> None:
-    """Remember that data described by ``sharding.cu_seqlens`` was split by ``sharding``."""
+def record(sharding: CPSharding, rank: int | None = None) -> None:
+    """Remember that data described by ``sharding.cu_seqlens`` was split by ``sharding``
+    (``rank``: the CP rank whose tokens were taken; None: a whole split, any rank's)."""
     if sharding.cp_size < 2:  # one rank holds everything, in order: nothing to disagree on
         return
     split = layout_of(sharding)
     key = _key(sharding.cu_seqlens, sharding.cp_size)
+    held = (key, split.fingerprint)
     with _LOCK:
         known = _RECENT.get(key)
         if known is not None and split.fingerprint in known:
             _RECENT.move_to_end(key)
+            ranks = _RANKS.get(held, set())
+            if ranks is not None and rank not in ranks:  # more ranks only pass more: no new generation
+                _RANKS[held] = None if rank is None else ranks | {rank}
             return
         _RECENT.setdefault(key, {})[split.fingerprint] = split
+        _RANKS[held] = None if rank is None else {rank}
         _RECENT.move_to_end(key)
         while len(_RECENT) > KEEP:
-            _RECENT.popitem(last=False)
+            old, splits_of = _RECENT.popitem(last=False)
+            for fp in splits_of:
+                _RANKS.pop((old, fp), None)
         _GEN[0] += 1
 
 
@@ -125,6 +136,7 @@ def clear() -> None:
     """Forget every recorded split (a test harness between independent tasks)."""
     with _LOCK:
         _RECENT.clear()
+        _RANKS.clear()
         _GEN[0] += 1
 
 
@@ -160,12 +172,13 @@ def mismatch(data: tuple[Split, ...], layer: str, cu, cp_size: int, mine: Split 
     )
 
 
-def disagreement(sharding: CPSharding, layer: str, fix: str) -> str | None:
+def disagreement(sharding: CPSharding, layer: str, fix: str, rank: int | None = None) -> str | None:
     """The mismatch message when data with ``sharding``'s ``cu_seqlens`` was split (in this
-    process) only by other splits than ``sharding``'s, else None. ``layer`` says where the
-    attention's split came from. A generation compare per call once checked (the hot path)."""
+    process) only by other splits than ``sharding``'s, or (``rank``, the attending CP rank) by
+    ``sharding`` for other ranks only, else None. ``layer`` says where the attention's split
+    came from. A generation compare per call once checked (the hot path)."""
     gen = generation()
-    if sharding.cp_size < 2 or sharding._cache.get("checked_gen") == gen:
+    if sharding.cp_size < 2 or sharding._cache.get("checked_gen") == (gen, rank):
         return None
     data = recorded(sharding.cu_seqlens, sharding.cp_size)
     if data:
@@ -173,5 +186,13 @@ def disagreement(sharding: CPSharding, layer: str, fix: str) -> str | None:
         if all(d.fingerprint != mine.fingerprint for d in data):
             words = f"{describe(mine)}, {layer}"
             return mismatch(data, words, sharding.cu_seqlens, sharding.cp_size, mine, fix)
-    sharding._cache["checked_gen"] = gen
+        with _LOCK:
+            held = _RANKS.get((_key(sharding.cu_seqlens, sharding.cp_size), mine.fingerprint))
+        if rank is not None and held is not None and rank not in held:
+            return (
+                f"CP shard mismatch: this process took CP rank(s) {sorted(held)}'s tokens of this micro-batch "
+                f"(CPSharding.shard(x, rank)) but attends as CP rank {rank}: shard with the rank in the CP group "
+                "(not the global or tensor-parallel rank)"
+            )
+    sharding._cache["checked_gen"] = (gen, rank)
     return None

@@ -1,9 +1,12 @@
-"""A prepared call runs only on tensors of the shapes and dtype it was planned for.
+"""A prepared call runs only on tensors of the shapes and dtype it was planned for, and runs a
+backward only where the planned (agreed) call does.
 
 Its plan fixes the softmax scale (from the head dim), the head split and, for bshd/sbhd, the
 batch layout; a call on other tensors with the same token count used to run: a head dim of 16
 on a plan for 8 attended with the scale 1/sqrt(8), a bshd batch of 4 x 4 on a plan for 2 x 8
 attended as two sequences and came back shaped for the plan. Now it raises, naming the shapes.
+A call that requires grad on a plan agreed without a backward (or the reverse) used to run: on
+one rank alone, its backward waited forever in the ring (every rank agreed on no backward).
 """
 
 from __future__ import annotations
@@ -60,3 +63,27 @@ def test_a_prepared_call_does_not_copy_and_says_why(copy):
     prepared = mcx.plan_cp_attention(q, k, v, cp_group=None, sharding=mcx.shard_sequences([0, 5, 12], 1))
     with pytest.raises(mcx.CPArgumentTypeError, match="Pickle the CPSharding"):
         pickle.dumps(prepared) if copy == "pickle" else copying.deepcopy(prepared)
+
+
+@pytest.mark.parametrize("planned_grad", [False, True])
+def test_a_call_whose_backward_differs_from_the_plan_is_refused(planned_grad):
+    q, k, v = _thd(8)
+    sharding = mcx.shard_sequences([0, 5, 12], 1)
+    planned = [x.clone().requires_grad_(planned_grad) for x in (q, k, v)]
+    prepared = mcx.plan_cp_attention(*planned, cp_group=None, sharding=sharding)
+    assert prepared.grad is planned_grad
+    with pytest.raises(mcx.CPArgumentError, match="backward"):
+        prepared(*[x.clone().requires_grad_(not planned_grad) for x in (q, k, v)])
+    if planned_grad:  # the same tensors under no_grad: no backward either
+        with torch.no_grad(), pytest.raises(mcx.CPArgumentError, match="backward"):
+            prepared(*planned)
+
+
+def test_a_call_planned_with_grad_matches_dense_gradients():
+    q, k, v = (x.requires_grad_() for x in _thd(8))
+    prepared = mcx.plan_cp_attention(q, k, v, cp_group=None, sharding=mcx.shard_sequences([0, 5, 12], 1))
+    dout = torch.randn(12, 4, 8, dtype=torch.float64)
+    got = torch.autograd.grad(prepared(q, k, v), (q, k, v), dout)
+    want = torch.autograd.grad(dense_attention(q, k, v, [0, 5, 12], causal=True), (q, k, v), dout)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-12, rtol=0)

@@ -118,3 +118,14 @@ def test_replace_gives_the_new_split_fresh_caches():
     copy = dataclasses.replace(work, seg=dual.seg.copy(), rank_ptr=dual.rank_ptr.copy(), balance="dualchunk")
     assert torch.equal(copy.shard(positions, 0), dual.shard(positions, 0))
     assert torch.equal(copy.shard(positions, 0), copy.positions(0))
+
+
+@pytest.mark.parametrize("dim", [3, -4, 1.5])
+def test_unshard_checks_dim_as_shard_does(dim):
+    sharding = mcx.shard_sequences([0, 5, 12], 2)
+    x = torch.randn(12, 2, 3)
+    parts = [sharding.shard(x, r) for r in range(2)]
+    with pytest.raises((mcx.CPArgumentError, mcx.CPArgumentTypeError), match="dim must be an int"):
+        sharding.unshard(parts, dim=dim)
+    with pytest.raises((mcx.CPArgumentError, mcx.CPArgumentTypeError), match="dim must be an int"):
+        sharding.shard(x, 0, dim=dim)

@@ -109,6 +109,12 @@ DIVERGENT = [
     Fault("q_not_tensor_one_rank", dict(q="list"), TE, "q must be a torch.Tensor", (-1,)),
     Fault("cp_group_garbage_one_rank", dict(cp_group="garbage"), TE, "cp_group", (-1,)),
     Fault("bad_on_two_ranks", dict(causal=1), TE, "causal", (0, -1)),
+    # validated before the CP group is resolved: the rank still reports on its group's exchange
+    Fault("check_int_one_rank", dict(check=1), TE, "check", (0,)),
+    Fault("comm_type_unknown_one_rank", dict(comm_type="ring"), VE, "comm_type must be one of", (-1,)),
+    Fault("qkv_format_unknown_one_rank", dict(qkv_format="bhsd"), VE, "qkv_format", (0,)),
+    Fault("sharding_missing_one_rank", dict(sharding=None), TE, "sharding", (-1,)),
+    Fault("sharding_with_bshd_one_rank", dict(qkv_format="bshd", sharding="x"), VE, "sharding", (0,)),
 ]  # fmt: skip
 
 # Check mode: the first call builds and caches the plan on every rank; then one rank drifts.
@@ -128,6 +134,7 @@ ACCEPTED = [
     Fault("scale_int", dict(softmax_scale=1), None),
     Fault("window_list", dict(window_size=[3, -1]), None),
     Fault("chunk_numpy_int", dict(chunk_size=np.int64(5)), None),
+    Fault("causal_numpy_bool", dict(causal=np.True_), None),  # was refused as "not a bool" (numpy 2's name)
     Fault("cu_seqlens_numpy_ints", dict(cu_seqlens=list(np.array([0, 11, 17, 40]))), None),
     Fault("cu_seqlens_int32_tensor", dict(cu_seqlens=torch.tensor([0, 3, 3, 20], dtype=torch.int32)), None),
     Fault("scale_none_vs_explicit", dict(softmax_scale=1 / math.sqrt(8)), None, ranks=(-1,)),
@@ -182,7 +189,18 @@ def test_divergent_comm_type_in_sub_world_cp_groups():
     assert res[2]["type"] is None and res[3]["type"] is None, res
 
 
+def test_world_sized_sharding_in_sub_world_cp_groups():
+    """World 4 as two CP groups of 2: rank 0 passes its CP group and a sharding for CP 4 (the
+    world size). Its error goes to its CP group's exchange, where rank 1 waits, not to the
+    world's (it did, and rank 1 waited forever); group {2, 3} runs."""
+    fault = Fault("sub_world_cp4", dict(cp_size=4), VE, "cp_size", (0,),
+                  base=dict(cp_group="half", cp_size=2, cu_seqlens=[0, 9, 20]))  # fmt: skip
+    res = run_on_ranks(4, attempt, fault, timeout=WATCHDOG_S)
+    _assert_same_error(res[:2], fault)
+    assert res[2]["type"] is None and res[3]["type"] is None, res
+
+
 def test_suite_size():
     """The issue asks for at least 60 bad-input cases, rank-divergent ones included."""
-    bad = len(UNIFORM) + 2 * len(DIVERGENT) + 2 * len(DRIFT) + 1
+    bad = len(UNIFORM) + 2 * len(DIVERGENT) + 2 * len(DRIFT) + 2
     assert bad >= 60 and len(DIVERGENT) >= 20

@@ -115,6 +115,32 @@ def _mixed_record_rank(rank: int, world: int) -> dict:
     return _thd_case(rank, world, "contiguous", "workload", rank == 0)
 
 
+def _other_ranks_shard(rank: int, world: int, wrong: tuple[int, ...]) -> dict:
+    """Ranks in ``wrong`` take the next rank's tokens (equal counts: nothing else disagrees)."""
+    import torch.distributed as dist
+
+    import megatron_cp_ext as mcx
+
+    cu = [0, 13, 13, 14, 40, 47, 48]  # 48 tokens: equal counts at CP 2 and 3
+    sharding = mcx.shard_sequences(cu, world, "dualchunk")
+    took = (rank + 1) % world if rank in wrong else rank
+    local = [sharding.shard(x, took) for x in _qkv(cu[-1])]
+    try:
+        mcx.cp_attention(*local, cp_group=dist.group.WORLD, sharding=sharding)
+    except mcx.CPArgumentError as err:
+        return {"error": str(err)}
+    return {"ran": True}
+
+
+@pytest.mark.parametrize("world, wrong", [(2, (0, 1)), (3, (1,))])
+def test_another_ranks_shard_is_refused(world, wrong):
+    """A process that took another CP rank's tokens (the global or TP rank passed to ``shard``)
+    attended on them at full speed: output wrong by O(1), no error. Each process records which
+    ranks' tokens it took; attending as a rank it took none for raises, on every rank."""
+    got = run_on_ranks(world, _other_ranks_shard, wrong, timeout=120)
+    _one_error(got, "CP shard mismatch", f"attends as CP rank {wrong[0]}", "the rank in the CP group")
+
+
 def _dual_chunk_rows(s: int, cp: int, rank: int) -> torch.Tensor:
     """Megatron's split of one sequence of length ``s``: chunks ``rank`` and ``2cp-1-rank`` of ``2cp``."""
     c = s // (2 * cp)

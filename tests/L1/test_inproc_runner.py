@@ -131,3 +131,24 @@ def test_overlap_by_rank_on_a_made_up_trace():
     assert s["streams_named"] == 4 and s["ratio"] == pytest.approx(5 / 20)
     assert s["ranks"][0] == {"transfers": 1, "transfer_us": 10, "compute_kernels": 1, "compute_us": 15, "overlap_us": 5}
     assert s["ranks"][1]["overlap_us"] == 0
+
+
+def _one_rank_bad_window(rank: int, world: int) -> str:
+    import megatron_cp_ext as mcx
+
+    sharding = mcx.shard_sequences([0, 13, 13, 14, 40], world)
+    q = sharding.shard(torch.randn(40, 2, 8), rank)
+    try:
+        mcx.cp_attention(
+            q, q, q, cp_group=dist.group.WORLD, sharding=sharding, window_size=(2.7, 0) if rank else (-1, -1)
+        )
+    except mcx.CPArgumentTypeError as err:
+        return str(err)
+    return "ran"
+
+
+def test_one_rank_argument_error_is_raised_on_every_thread():
+    """The threaded group's work takes no finite timeout: the bad rank's timed wait used to read
+    as "nobody joined", so it raised alone and its peers waited in the message exchange."""
+    msgs = run_threads(3, _one_rank_bad_window, timeout=60)
+    assert len(set(msgs)) == 1 and "window_size" in msgs[0] and "raised on every CP rank" in msgs[0], msgs

@@ -101,3 +101,33 @@ def test_max_logit_world2_and_single_rank(comm_type: str) -> None:
 
 def test_a_sequence_free_batch_gives_minus_inf() -> None:
     check(dataclasses.replace(BASE, seqlens=(0, 0, 0, 0, 0, 0, 0, 0)), 2)
+
+
+CU_NAN = [0, 13, 13, 14, 40, 47, 49]
+
+
+def nan_case(rank: int, world: int, token: int, comm_type: str) -> tuple[int, list[float]]:
+    """Worker: q holds one NaN (head 0) at global ``token``; returns its owner and the max logits."""
+    sharding = mcx.shard_sequences(CU_NAN, world, "dualchunk")
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(CU_NAN[-1], 2, 8, generator=g) for _ in range(3))
+    q[token, 0, 0] = float("nan")
+    owner = next(r for r in range(world) if (sharding.global_index(r) == token).any())
+    local = [sharding.shard(x, rank) for x in (q, k, v)]
+    _, ml = mcx.cp_attention(
+        *local, cp_group=dist.group.WORLD, sharding=sharding, comm_type=comm_type, return_max_logit=True
+    )
+    return owner, ml.tolist()
+
+
+@pytest.mark.parametrize("comm_type", ["p2p", "a2a"])
+def test_a_nan_logit_is_nan_on_every_rank_wherever_it_is(comm_type: str) -> None:
+    """gloo's MAX keeps a NaN only from its first operand: a NaN logit computed on CP rank 1
+    came back finite (2.52) on both ranks, one on rank 0 as NaN. QK-clip would miss it."""
+    owners = set()
+    for token in (2, 20, 45):
+        results = run_on_ranks(2, nan_case, token, comm_type, timeout=60)
+        owners.add(results[0][0])
+        for _, ml in results:
+            assert math.isnan(ml[0]) and math.isfinite(ml[1]), results
+    assert owners == {0, 1}  # the NaN sat on each rank at least once

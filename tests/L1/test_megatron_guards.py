@@ -200,3 +200,41 @@ def test_a_rope_table_shorter_than_the_longest_sequence_is_refused_everywhere() 
     for rows, want in ((39, "rotary_pos_emb has 39 positions"), (40, "ran")):
         results = run_on_ranks(2, rope_case, rows, timeout=120)
         assert len(set(results)) == 1 and want in results[0], results
+
+
+def rank_local_case(rank: int, world: int, kind: str) -> str:
+    """Worker: a block whose input is wrong on some CP ranks only. ``count``: THD data cut
+    [12, 13, 12] under params whose sharding gives [13, 12, 12] (rank 2's count agrees);
+    ``sbhd``: local sbhd rows [4, 3] with RoPE (no dual-chunk split makes 7 tokens)."""
+    from megatron.core import parallel_state
+
+    import megatron_cp_ext as mcx
+    from megatron_cp_ext.megatron import CPRotaryEmbedding, make_packed_seq_params
+    from megatron_cp_ext.testing.megatron import setup_parallel_state
+
+    setup_parallel_state(world)
+    block = _block(world)
+    kw = {}
+    if kind == "count":
+        kw["packed_seq_params"] = make_packed_seq_params(
+            [0, 7, 13, 14, 23, 37], cp_group=parallel_state.get_context_parallel_group()
+        )
+        counts = list(kw["packed_seq_params"]._mcx_cp_context.sharding.counts())
+        counts[0], counts[1] = counts[1], counts[0]
+        n = counts[rank]
+    else:
+        n = [4, 3][rank]
+    try:
+        block(torch.randn(n, 1, HIDDEN), attention_mask=None, rotary_pos_emb=CPRotaryEmbedding(8)(64), **kw)
+    except mcx.CPArgumentError as err:
+        return str(err)
+    return "ran"
+
+
+@pytest.mark.parametrize(
+    "kind, world, want", [("count", 3, "CP rank 0 holds 12 tokens"), ("sbhd", 2, "must be divisible by 2*cp")]
+)
+def test_an_input_wrong_on_some_ranks_is_refused_everywhere(kind, world, want) -> None:
+    """The rank whose input looks right used to wait in its exchange while the others raised."""
+    results = run_on_ranks(world, rank_local_case, kind, timeout=120)
+    assert len(set(results)) == 1 and want in results[0], results
