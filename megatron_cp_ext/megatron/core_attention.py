@@ -99,6 +99,22 @@ def resolve_cp_comm_type(cp_comm_type: str | None, config: TransformerConfig, la
 
 
 _HCP_CACHE: dict[tuple, list[dist.ProcessGroup]] = {}
+_SUBGROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+"""Groups made here, by member ranks: made once (their names are the ranks' hash, so a second
+group of the same ranks could not be made) and shared by every split that needs them."""
+
+
+def _subgroup(ranks: list[int]) -> dist.ProcessGroup:
+    key = tuple(ranks)
+    group = _SUBGROUPS.get(key)
+    if group is not None:
+        try:
+            dist.get_process_group_ranks(group)  # still registered (not destroyed with the world)
+            return group
+        except (ValueError, KeyError, RuntimeError):
+            pass
+    group = _SUBGROUPS[key] = dist.new_group(list(ranks), use_local_synchronization=True)
+    return group
 
 
 def hierarchical_groups_from_sizes(cp_group: dist.ProcessGroup, sizes: Sequence[int]) -> list[dist.ProcessGroup]:
@@ -107,24 +123,22 @@ def hierarchical_groups_from_sizes(cp_group: dist.ProcessGroup, sizes: Sequence[
     For launchers that set ``hierarchical_context_parallel_sizes`` on the model config but do
     not create Megatron's hierarchical groups (NeMo 2). Collective over ``cp_group`` only
     (groups with local synchronization): pipeline stages build different layers, and a layer
-    that runs ``a2a+p2p`` on one stage must not wait for the other stages. Created once and
-    cached. a2a groups are consecutive CP ranks: CP rank = p2p_rank * a2a + a2a_rank, as in
-    Megatron.
+    that runs ``a2a+p2p`` on one stage must not wait for the other stages. Cached per CP group
+    (a rebuilt one of the same ranks gets a new pair on the same subgroups). a2a groups are
+    consecutive CP ranks: CP rank = p2p_rank * a2a + a2a_rank, as in Megatron.
     """
     ranks = tuple(dist.get_process_group_ranks(cp_group))
     sizes = tuple(int(x) for x in sizes)
     if len(sizes) != 2 or sizes[0] * sizes[1] != len(ranks):
         raise ValueError(f"hierarchical CP sizes must be [a2a, p2p] with product {len(ranks)}, got {list(sizes)}")
     key = (ranks, sizes)
-    if key not in _HCP_CACHE:
+    cached = _HCP_CACHE.get(key)
+    if cached is None or cached.cp_group is not cp_group:  # none yet, or parallel_state was rebuilt
         a2a, me = sizes[0], ranks.index(dist.get_rank())
         first = me - me % a2a
-        mine = [
-            dist.new_group(list(ranks[first : first + a2a]), use_local_synchronization=True),
-            dist.new_group(list(ranks[me % a2a :: a2a]), use_local_synchronization=True),
-        ]
-        _HCP_CACHE[key] = HierarchicalCPGroups(mine[0], mine[1], cp_group)
-    return _HCP_CACHE[key]
+        pair = _subgroup(list(ranks[first : first + a2a])), _subgroup(list(ranks[me % a2a :: a2a]))
+        cached = _HCP_CACHE[key] = HierarchicalCPGroups(*pair, cp_group)
+    return cached
 
 
 def _hierarchical_groups(config: TransformerConfig, pg: ProcessGroupCollection, cp_group) -> list:

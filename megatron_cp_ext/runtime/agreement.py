@@ -138,38 +138,48 @@ def raise_everywhere(
     groups: CPGroups | None,
     cp_size: int | None,
     cp_rank: int = -1,
-    wait: float = ERROR_WAIT_S,
+    wait: float | None = None,
     cp_group: object = None,
 ) -> None:
     """Raise a rank's own argument error on every CP rank (it never returns).
 
     The rank joins the exchange with an error flag; ranks that exchange at the same time
     (first call of a micro-batch, or check mode) see the flag and raise the same error. If no
-    rank joins within ``wait`` seconds, or there is no group to talk on, it raises alone.
-    ``cp_group``: the argument as passed, for a validation that failed before it resolved
-    ``groups`` (an unknown comm type, a missing sharding): its groups are still where the
-    peers exchange.
+    rank joins within ``wait`` seconds (default :data:`ERROR_WAIT_S`), or there is no group to
+    talk on, it raises alone. ``cp_group``: the argument as passed, for a validation that
+    failed before it resolved ``groups`` (an unknown comm type, a missing sharding): its
+    groups are still where the peers exchange.
+
+    A group and a sharding for the world size that disagree leave two candidates: the group
+    (its CP peers, with a sharding built for the world by mistake) and the world (every other
+    rank, this one having passed a smaller group by mistake). The rank tries its group first
+    and the world after half the wait.
     """
+    wait = ERROR_WAIT_S if wait is None else wait
     if groups is None and cp_group is not None:
         groups = peek_groups(cp_group)
         cp_rank = groups.rank if groups is not None else cp_rank
-    path = exchange_path(groups, cp_size)
-    if path is None:
+    paths = [exchange_path(groups, cp_size)]
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if paths[0] is not None and paths[0].group is not dist.group.WORLD and cp_size == world > 1:
+        paths.append(ExchangePath(group=dist.group.WORLD))
+    if paths[0] is None:
         raise err
     code = 2 if isinstance(err, TypeError) else 3 if isinstance(err, CPRankMismatchError) else 1
     sig = signature(error=code, global_rank=dist.get_rank(), cp_rank=cp_rank)
-    try:
-        sigs = [dict(zip(FIELDS, s)) for s in _gather(list(sig), path, wait)]
-        _raise_reported(sigs, path, str(err), wait)
-    except CPArgumentError as everywhere:
-        raise everywhere from err  # keep this rank's own traceback
-    except TimeoutError:
-        err.add_note(
-            f"(no other CP rank joined the consistency exchange within {wait}s: they may be "
-            "running attention on a cached plan; pass check=True on every rank to compare every call)"
-        )
-        raise err from None
-    raise err  # unreachable: the flag we sent is in sigs
+    for path in paths:
+        try:
+            sigs = [dict(zip(FIELDS, s)) for s in _gather(list(sig), path, wait / len(paths))]
+            _raise_reported(sigs, path, str(err), wait)
+        except CPArgumentError as everywhere:
+            raise everywhere from err  # keep this rank's own traceback
+        except TimeoutError:
+            continue
+    err.add_note(
+        f"(no other CP rank joined the consistency exchange within {wait}s: they may be "
+        "running attention on a cached plan; pass check=True on every rank to compare every call)"
+    )
+    raise err from None
 
 
 # ---- comparing valid signatures ----------------------------------------------------------------

@@ -200,7 +200,34 @@ def test_world_sized_sharding_in_sub_world_cp_groups():
     assert res[2]["type"] is None and res[3]["type"] is None, res
 
 
+def _sub_group_in_a_world_cp(rank: int, world: int) -> dict:
+    """Worker: CP is the world (sharding for CP 4); rank 0 passes a group of [0, 1] by mistake."""
+    import torch.distributed as dist
+
+    import megatron_cp_ext as mcx
+    from megatron_cp_ext.runtime import agreement
+
+    sub = dist.new_group([0, 1])
+    sharding = mcx.shard_sequences([0, 11, 12, 30, 36], world)
+    q, k, v = (sharding.shard(torch.randn(36, n, 8), rank) for n in (4, 2, 2))
+    saved, agreement.ERROR_WAIT_S = agreement.ERROR_WAIT_S, 8.0  # rank 0 tries [0, 1] for 4 s first
+    try:
+        mcx.cp_attention(q, k, v, cp_group=sub if rank == 0 else dist.group.WORLD, sharding=sharding)
+    except VE as err:
+        return {"type": type(err), "expected_type": True, "msg": str(err)}
+    finally:
+        agreement.ERROR_WAIT_S = saved
+    return {"type": None}
+
+
+def test_sub_world_group_in_a_world_sized_cp():
+    """The reverse of the case above: the world is the CP group and rank 0's group is wrong.
+    Rank 0 tries its group, then the world, where the others wait."""
+    res = run_on_ranks(4, _sub_group_in_a_world_cp, timeout=WATCHDOG_S)
+    _assert_same_error(res, Fault("sub_group_cp4", dict(), VE, "cp_group has 2 ranks but sharding.cp_size is 4"))
+
+
 def test_suite_size():
     """The issue asks for at least 60 bad-input cases, rank-divergent ones included."""
-    bad = len(UNIFORM) + 2 * len(DIVERGENT) + 2 * len(DRIFT) + 2
+    bad = len(UNIFORM) + 2 * len(DIVERGENT) + 2 * len(DRIFT) + 3
     assert bad >= 60 and len(DIVERGENT) >= 20

@@ -44,3 +44,28 @@ def test_groups_from_sizes_need_only_the_cp_group(sizes):
     errors = run_on_ranks(4, _attend_on_one_cp_group, sizes, timeout=60)
     assert errors[2:] == [None, None]
     assert max(errors[:2]) < 1e-12, errors
+
+
+def _attend_after_rebuild(rank: int, world: int) -> list[bool] | None:
+    """Worker: the CP group is destroyed and made again with the same ranks (Megatron's
+    parallel_state re-initialised): the groups from sizes follow the new group."""
+    import megatron_cp_ext as mcx
+    from megatron_cp_ext.megatron.core_attention import hierarchical_groups_from_sizes
+
+    seen = []
+    for _ in range(2):
+        halves = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        mine = halves[rank // 2]
+        groups = hierarchical_groups_from_sizes(mine, (2, 1))
+        seen.append(groups.cp_group is mine)
+        sharding = mcx.shard_sequences(CU, 2)
+        q = sharding.shard(torch.randn(CU[-1], 2, 8, dtype=torch.float64), rank % 2)
+        mcx.cp_attention(q, q, q, cp_group=groups, comm_type="a2a+p2p", sharding=sharding)
+        dist.destroy_process_group(mine)  # the old CP group goes (cached groups from sizes stay behind)
+    return seen
+
+
+def test_groups_from_sizes_follow_a_rebuilt_cp_group():
+    """The cache was keyed by ranks only: after a rebuild it returned the destroyed group's
+    pair, and the next call failed on every rank ("not initialized in the world group map")."""
+    assert run_on_ranks(4, _attend_after_rebuild, timeout=60) == [[True, True]] * 4
