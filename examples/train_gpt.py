@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_cp_ext.megatron.args import (  # noqa: E402
     add_arguments,
     add_megatron_cp_arguments,
+    check_cp_args,
     cp_attention_options_from_args,
     cp_comm_type_from_args,
 )
@@ -55,7 +56,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     demo.add_argument("--lr", type=float, default=3e-3)
     demo.add_argument("--seed", type=int, default=1234)
     demo.add_argument("--json-out", default=None, help="rank 0 writes losses and timings here")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    problem = check_cp_args(args)
+    if problem:
+        parser.error(problem)
+    return args
 
 
 def init_parallel(args: argparse.Namespace) -> tuple[int, int]:

@@ -133,7 +133,11 @@ def apply_cp(
     from .megatron.core_attention import CPAttentionOptions
     from .recipe_checks import check_comm_type, check_hierarchical
 
-    if not isinstance(context_parallel_size, int) or context_parallel_size < 1:
+    if (
+        isinstance(context_parallel_size, bool)
+        or not isinstance(context_parallel_size, int)
+        or context_parallel_size < 1
+    ):
         raise ValueError(f"context_parallel_size must be a positive int, got {context_parallel_size!r}")
     model = config if _is_model(config) else getattr(config, "model", None)
     if not _is_model(model):

@@ -10,7 +10,8 @@ Counting conventions (all per layer):
 
 * ``work`` — visible (query, key) pairs this rank computes, summed over the heads it computes
   and divided by ``num_heads`` (a2a ranks compute ``1/A`` of the heads of ``A`` ranks'
-  tokens), so ranks of every comm type sum to the batch's visible pairs per head;
+  tokens), so ranks of every comm type sum to the batch's visible pairs per head (a2a ranks'
+  shares rounded to ints);
 * ``useful`` / ``tile_area`` — score entries the calls need and entries of the 128x128 tiles
   they touch (per head): their ratio is the tile efficiency;
 * bytes — every message of the schedule: KV (and for a2a queries and outputs) in ``dtype``,
@@ -331,13 +332,20 @@ def inspect_plan(
     elif comm_type == "a2a+p2p":
         if a2a_size is None or not isinstance(a2a_size, int) or a2a_size < 1 or cp % a2a_size:
             raise ValueError(f"a2a_size must be a positive divisor of the CP size ({cp}) for a2a+p2p, got {a2a_size}")
-    for name, val in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+    dv = head_dim if v_head_dim is None else v_head_dim
+    sizes = (("num_heads", num_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim), ("v_head_dim", dv))
+    for name, val in sizes:
         if isinstance(val, bool) or not isinstance(val, int) or val < 1:
             raise ValueError(f"{name} must be a positive int, got {val!r}")
-    dv = head_dim if v_head_dim is None else v_head_dim
+    if num_heads % num_kv_heads:
+        raise ValueError(
+            f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads}), as in cp_attention"
+        )
     mask = MaskSpec.make(causal=causal, window_size=window_size, chunk_size=chunk_size)
     es = torch.empty(0, dtype=dtype).element_size()
     chosen = range(cp) if ranks is None else list(ranks)
+    if not chosen:
+        raise ValueError("ranks must name at least one rank (None: every rank)")
     for r in chosen:
         if not isinstance(r, int) or not 0 <= r < cp:
             raise ValueError(f"ranks must hold ranks in [0, {cp}), got {r!r}")

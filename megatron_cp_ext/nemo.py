@@ -102,7 +102,11 @@ def apply_cp(
             backend=backend,
             chunk_size=chunk_size,
         )
-    if not isinstance(context_parallel_size, int) or context_parallel_size < 1:
+    if (
+        isinstance(context_parallel_size, bool)
+        or not isinstance(context_parallel_size, int)
+        or context_parallel_size < 1
+    ):
         raise ValueError(f"context_parallel_size must be a positive int, got {context_parallel_size!r}")
     strategy, config = _locate(recipe)
     kinds = check_comm_type(cp_comm_type, getattr(config, "num_layers", None))

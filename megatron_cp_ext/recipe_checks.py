@@ -7,6 +7,7 @@ configs to :mod:`.bridge`, never the reverse). Pure Python: no Megatron, NeMo or
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 
 __all__ = ["check_comm_type", "check_hierarchical"]
@@ -41,6 +42,10 @@ def check_hierarchical(
                 f"{context_parallel_size}; refusing to run it without hierarchical groups"
             )
         return None
+    if isinstance(sizes, (str, bytes)) or not all(
+        isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in sizes
+    ):
+        raise ValueError(f"hierarchical_sizes must be two ints [a2a, p2p], got {sizes!r}")
     sizes = [int(s) for s in sizes]
     if len(sizes) != 2 or sizes[0] * sizes[1] != context_parallel_size or min(sizes) < 1:
         raise ValueError(f"hierarchical_sizes must be [a2a, p2p] with product {context_parallel_size}, got {sizes}")

@@ -16,6 +16,7 @@ from typing import Any
 __all__ = [
     "add_arguments",
     "add_megatron_cp_arguments",
+    "check_cp_args",
     "cp_attention_options_from_args",
     "cp_comm_type_from_args",
     "parse_window",
@@ -24,6 +25,33 @@ __all__ = [
 _COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
 _BALANCES = ("workload", "dualchunk", "contiguous", "te")  # megatron.batch.LAYOUTS (no torch import here)
 _BACKENDS = ("auto", "reference", "flash")
+
+
+def _positive_int(text: str) -> int:
+    """argparse type: an int >= 1 (argparse names the flag in its error)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {value}")
+    return value
+
+
+def check_cp_args(args: argparse.Namespace) -> str | None:
+    """What is wrong across CP flags (None if nothing): argparse checks each flag alone.
+    Scripts pass the result to ``parser.error`` before initialising anything."""
+    sizes = getattr(args, "hierarchical_context_parallel_sizes", None)
+    cp = getattr(args, "context_parallel_size", 1)
+    if sizes and (len(sizes) != 2 or sizes[0] * sizes[1] != cp):
+        return (
+            f"--hierarchical-context-parallel-sizes must be two sizes [a2a, p2p] with product {cp} "
+            f"(--context-parallel-size), got {sizes}"
+        )
+    kinds = list(getattr(args, "cp_comm_type", None) or [])
+    if "a2a+p2p" in kinds and cp > 1 and not sizes:
+        return "--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes A2A P2P"
+    return None
 
 
 def _has_option(parser: argparse.ArgumentParser, flag: str) -> bool:
@@ -52,7 +80,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     group.add_argument(
         "--cp-attention-chunk-size",
-        type=int,
+        type=_positive_int,
         default=None,
         help="chunked attention: tokens attend only within aligned chunks of this many positions",
     )
@@ -78,7 +106,9 @@ def add_megatron_cp_arguments(parser: argparse.ArgumentParser) -> argparse.Argum
     """Megatron-LM's CP flags for scripts without ``megatron.training`` (skips ones already present)."""
     group = parser.add_argument_group("context parallelism (Megatron-LM flags)")
     if not _has_option(parser, "--context-parallel-size"):
-        group.add_argument("--context-parallel-size", type=int, default=1, help="degree of context parallelism")
+        group.add_argument(
+            "--context-parallel-size", type=_positive_int, default=1, help="degree of context parallelism"
+        )
     if not _has_option(parser, "--cp-comm-type"):
         group.add_argument(
             "--cp-comm-type",
@@ -91,7 +121,7 @@ def add_megatron_cp_arguments(parser: argparse.ArgumentParser) -> argparse.Argum
         group.add_argument(
             "--hierarchical-context-parallel-sizes",
             nargs="+",
-            type=int,
+            type=_positive_int,
             default=None,
             help="[a2a, p2p] group sizes for cp_comm_type a2a+p2p (product = CP size)",
         )

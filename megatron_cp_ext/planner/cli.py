@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import sys
 
 import numpy as np
@@ -61,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--a2a-size", type=int, default=None, help="a2a+p2p: ranks per a2a group (default: a node's)")
     p.add_argument("--balance", default="workload", help=f"balances, comma-separated: {', '.join(BALANCES)}")
     p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True, help="causal mask")
-    p.add_argument("--window", default=None, help="sliding window L[,R] (-1 = unbounded)")
+    p.add_argument("--window", default=None, help="sliding window L[,R] (-1 = unbounded; write --window=-1,0)")
     p.add_argument("--chunk", type=int, default=None, help="chunked attention: chunk size")
     p.add_argument("--heads", type=int, default=64, help="query heads")
     p.add_argument("--kv-heads", type=int, default=8, help="KV heads")
@@ -104,9 +106,11 @@ def _lengths(args: argparse.Namespace, p: argparse.ArgumentParser) -> list[int]:
     if args.dist == "uniform":
         return batches.uniform(args.total, median=args.median, seed=args.seed)
     if args.dist == "lognormal":
+        if not math.isfinite(args.sigma) or args.sigma < 0:
+            p.error(f"argument --sigma: must be a finite number >= 0, got {args.sigma}")
         return batches.lognormal(args.total, median=args.median, sigma=args.sigma, seed=args.seed)
-    if args.long > args.total:
-        p.error(f"argument --long: {args.long} exceeds --total {args.total}")
+    if args.long + 157 > args.total:  # batches.long_short's 157 short documents of at least one token
+        p.error(f"argument --total: {args.total} cannot hold --long {args.long} and 157 short documents")
     return batches.long_short(args.total, long=args.long, short_median=args.median, seed=args.seed)
 
 
@@ -277,6 +281,9 @@ def main(argv: list[str] | None = None) -> int:
         err = check_matplotlib()
         if err:
             p.error(f"argument --plot: {err}")
+        folder = os.path.dirname(os.path.abspath(args.plot))
+        if not os.path.isdir(folder):  # before the sweep, not after it
+            p.error(f"argument --plot: folder {folder} does not exist")
     rows = sweep(cfg, shapes, args.a2a_size, _bar(sys.stderr) if show else None)
     if not rows:
         p.error("argument --a2a-size: no configuration left to plan (a2a+p2p needs a divisor of --cp)")

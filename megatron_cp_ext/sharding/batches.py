@@ -41,6 +41,9 @@ def long_short(total: int, *, long: int = 65536, count: int = 157, short_median:
     rng = np.random.default_rng(seed)
     raw = rng.lognormal(np.log(short_median), 0.6, size=count)
     short = np.maximum(1, np.floor(raw * (total - long) / raw.sum())).astype(int)
+    over = int(short.sum()) - (total - long)  # documents raised to one token overshoot: the longest pay
+    if over > 0:
+        short[np.argsort(-short, kind="stable")[:over]] -= 1
     short[: (total - long) - int(short.sum())] += 1  # distribute the rounding remainder
     lens = [long, *short.tolist()]
     order = rng.permutation(len(lens))

@@ -378,3 +378,28 @@ def test_per_micro_batch_cp_size_is_refused_by_name() -> None:
     q, k, v = (torch.randn(6, h, 8) for h in (4, 2, 2))
     with pytest.raises(ValueError, match="local_cp_size=2.*hybrid"):
         core()(q, k, v, None, packed_seq_params=params)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--context-parallel-size", "0"], "argument --context-parallel-size: expected an int >= 1"),
+        (["--context-parallel-size", "-2"], "argument --context-parallel-size: expected an int >= 1"),
+        (["--cp-attention-chunk-size", "0"], "argument --cp-attention-chunk-size: expected an int >= 1"),
+        (["--context-parallel-size", "2", "--hierarchical-context-parallel-sizes", "3", "1"], "product 2"),
+        (["--context-parallel-size", "2", "--cp-comm-type", "a2a+p2p"], "needs --hierarchical-context-parallel"),
+    ],
+)
+def test_cp_flags_are_refused_by_name(argv, message, capsys) -> None:
+    """A CP size of 0 failed in Megatron's rank generator (ZeroDivisionError in the demo), sizes
+    whose product is not the CP size in Megatron's bare assert, chunk size 0 named chunk_size."""
+    from megatron_cp_ext.megatron.args import add_arguments, add_megatron_cp_arguments, check_cp_args
+
+    parser = argparse.ArgumentParser(prog="train")
+    add_megatron_cp_arguments(add_arguments(parser))
+    with pytest.raises(SystemExit):
+        args = parser.parse_args(argv)
+        parser.error(check_cp_args(args) or "accepted")
+    assert message in capsys.readouterr().err
+    ok = parser.parse_args(["--context-parallel-size", "4", "--hierarchical-context-parallel-sizes", "2", "2"])
+    assert check_cp_args(ok) is None

@@ -178,6 +178,10 @@ def test_plot_axes_show_the_real_spread(tmp_path):
         (["--lengths", "10", "--cp", "8", "--a2a-size", "3"], "--a2a-size"),
         (["--lengths-file", "/nonexistent/lens"], "--lengths-file"),
         (["--dist", "lognormal", "--total", "0"], "--total"),
+        (["--dist", "lognormal", "--total", "4096", "--sigma", "-1"], "--sigma"),
+        (["--dist", "lognormal", "--total", "4096", "--sigma", "nan"], "--sigma"),
+        (["--dist", "long+short", "--total", "65600"], "--total"),  # was a traceback in the batch maker
+        (["--lengths", "10", "--plot", "/nonexistent/plan.png"], "--plot"),  # was after the whole sweep
         (["--lengths", "10", "--hidden", "64"], "--ffn"),
         (["--lengths", "10", "--hidden", "0", "--ffn", "8"], "--hidden"),
         ([], "--lengths"),

@@ -264,3 +264,17 @@ def test_a2a_p2p_staged_ring_exact_cover(mask_kw, monkeypatch):
             plans = [a2a.build_plan(sh, size, g * size, mask, "staged").ring for g in range(groups)]
             assert all(p.staged is not None for p in plans if len(p.counts) > 1)
             check_p2p_plans(as_ranks, plans, mask)
+
+
+@pytest.mark.parametrize(
+    "kw, names",
+    [
+        (dict(num_heads=6, num_kv_heads=4), "multiple of num_kv_heads"),  # reported 4 of 6 heads' work
+        (dict(num_heads=4, num_kv_heads=8), "multiple of num_kv_heads"),  # reported no heads at all
+        (dict(v_head_dim=-200), "v_head_dim"),  # negative bytes
+        (dict(ranks=[]), "at least one rank"),  # a bare max() error
+    ],
+)
+def test_inspect_plan_refuses_what_cp_attention_cannot_run(kw, names):
+    with pytest.raises(ValueError, match=names):
+        mcx.inspect_plan(mcx.shard_sequences([0, 10, 20], 2), "a2a", **kw)
