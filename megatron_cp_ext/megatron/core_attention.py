@@ -99,33 +99,17 @@ def resolve_cp_comm_type(cp_comm_type: str | None, config: TransformerConfig, la
 
 
 _HCP_CACHE: dict[tuple, list[dist.ProcessGroup]] = {}
-_SUBGROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
-"""Groups made here, by member ranks: made once (their names are the ranks' hash, so a second
-group of the same ranks could not be made) and shared by every split that needs them."""
-
-
-def _subgroup(ranks: list[int]) -> dist.ProcessGroup:
-    key = tuple(ranks)
-    group = _SUBGROUPS.get(key)
-    if group is not None:
-        try:
-            dist.get_process_group_ranks(group)  # still registered (not destroyed with the world)
-            return group
-        except (ValueError, KeyError, RuntimeError):
-            pass
-    group = _SUBGROUPS[key] = dist.new_group(list(ranks), use_local_synchronization=True)
-    return group
 
 
 def hierarchical_groups_from_sizes(cp_group: dist.ProcessGroup, sizes: Sequence[int]) -> list[dist.ProcessGroup]:
     """``[a2a_group, p2p_group]`` for ``cp_group`` split as ``sizes = [a2a, p2p]``.
 
     For launchers that set ``hierarchical_context_parallel_sizes`` on the model config but do
-    not create Megatron's hierarchical groups (NeMo 2). Collective over ``cp_group`` only
-    (groups with local synchronization): pipeline stages build different layers, and a layer
-    that runs ``a2a+p2p`` on one stage must not wait for the other stages. Cached per CP group
-    (a rebuilt one of the same ranks gets a new pair on the same subgroups). a2a groups are
-    consecutive CP ranks: CP rank = p2p_rank * a2a + a2a_rank, as in Megatron.
+    not create Megatron's hierarchical groups (NeMo 2). Collective over the default group:
+    every CP layer calls it at construction whatever its comm type (so pipeline stages whose
+    layers differ all take part at their first layer); created once per CP group and cached
+    (a rebuilt ``parallel_state`` gets new ones). a2a groups are consecutive CP ranks:
+    CP rank = p2p_rank * a2a + a2a_rank, as in Megatron.
     """
     ranks = tuple(dist.get_process_group_ranks(cp_group))
     sizes = tuple(int(x) for x in sizes)
@@ -133,12 +117,24 @@ def hierarchical_groups_from_sizes(cp_group: dist.ProcessGroup, sizes: Sequence[
         raise ValueError(f"hierarchical CP sizes must be [a2a, p2p] with product {len(ranks)}, got {list(sizes)}")
     key = (ranks, sizes)
     cached = _HCP_CACHE.get(key)
-    if cached is None or cached.cp_group is not cp_group:  # none yet, or parallel_state was rebuilt
-        a2a, me = sizes[0], ranks.index(dist.get_rank())
-        first = me - me % a2a
-        pair = _subgroup(list(ranks[first : first + a2a])), _subgroup(list(ranks[me % a2a :: a2a]))
-        cached = _HCP_CACHE[key] = HierarchicalCPGroups(*pair, cp_group)
-    return cached
+    if cached is None or cached.cp_group is not cp_group:
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, ranks)
+        a2a = sizes[0]
+        for group_ranks in sorted(set(everyone)):
+            levels = (
+                [list(group_ranks[i : i + a2a]) for i in range(0, len(group_ranks), a2a)],
+                [list(group_ranks[j::a2a]) for j in range(a2a)],
+            )
+            mine: list = [None, None]
+            for level, subgroups in enumerate(levels):
+                for sub in subgroups:
+                    g = dist.new_group(sub)
+                    if dist.get_rank() in sub:
+                        mine[level] = g
+            if group_ranks == ranks:
+                _HCP_CACHE[key] = HierarchicalCPGroups(mine[0], mine[1], cp_group)
+    return _HCP_CACHE[key]
 
 
 def _hierarchical_groups(config: TransformerConfig, pg: ProcessGroupCollection, cp_group) -> list:
@@ -212,7 +208,10 @@ class CPCoreAttention(MegatronModule):
             # auto considers a2a+p2p only when hierarchical groups are configured
             hcp = getattr(pg_collection, "hcp", None) or getattr(config, "hierarchical_context_parallel_sizes", None)
             use_hcp = self.cp_comm_type == "a2a+p2p" or (self.cp_comm_type == "auto" and bool(hcp))
-            self.comm_group = _hierarchical_groups(config, pg_collection, cp_group) if use_hcp else cp_group
+            # every layer builds them when configured: groups from sizes are a collective that ranks
+            # whose layers differ (pipeline stages) must all join, at their first layer
+            pair = _hierarchical_groups(config, pg_collection, cp_group) if hcp or use_hcp else None
+            self.comm_group = pair if use_hcp else cp_group
         window = config.window_size
         use_window = is_layer_window_attention(window, config.window_attn_skip_freq, self.layer_number)
         self.window_size = as_window(window, "config.window_size") if use_window else (-1, -1)
