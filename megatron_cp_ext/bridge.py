@@ -131,7 +131,7 @@ def apply_cp(
     an ``attention_backend`` that would make Bridge replace our core attention.
     """
     from .megatron.core_attention import CPAttentionOptions
-    from .recipe_checks import check_comm_type, check_hierarchical
+    from .recipe_checks import check_comm_type, check_hierarchical, check_one_layer_kind
 
     if (
         isinstance(context_parallel_size, bool)
@@ -147,6 +147,7 @@ def apply_cp(
         )
     kinds = check_comm_type(cp_comm_type, getattr(model, "num_layers", None))
     sizes = check_hierarchical(hierarchical_sizes, context_parallel_size, kinds)
+    check_one_layer_kind(model)
     attn_backend = getattr(model, "attention_backend", None)
     if attn_backend is not None and _backend_name(attn_backend) in _REPLACING_BACKENDS:
         raise ValueError(

@@ -23,7 +23,7 @@ import functools
 from collections.abc import Sequence
 from typing import Any
 
-from .recipe_checks import check_comm_type, check_hierarchical
+from .recipe_checks import check_comm_type, check_hierarchical, check_one_layer_kind
 
 __all__ = ["FIELDS", "apply_cp"]
 
@@ -111,6 +111,7 @@ def apply_cp(
     strategy, config = _locate(recipe)
     kinds = check_comm_type(cp_comm_type, getattr(config, "num_layers", None))
     sizes = check_hierarchical(hierarchical_sizes, context_parallel_size, kinds)
+    check_one_layer_kind(config)
     dropout = getattr(config, "attention_dropout", 0.0)
     if dropout:
         raise ValueError(

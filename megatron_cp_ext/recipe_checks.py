@@ -10,7 +10,7 @@ from __future__ import annotations
 import numbers
 from collections.abc import Sequence
 
-__all__ = ["check_comm_type", "check_hierarchical"]
+__all__ = ["check_comm_type", "check_hierarchical", "check_one_layer_kind"]
 
 _COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p", "auto")  # auto: the planner picks per micro-batch
 
@@ -50,3 +50,15 @@ def check_hierarchical(
     if len(sizes) != 2 or sizes[0] * sizes[1] != context_parallel_size or min(sizes) < 1:
         raise ValueError(f"hierarchical_sizes must be [a2a, p2p] with product {context_parallel_size}, got {sizes}")
     return sizes
+
+
+def check_one_layer_kind(config: object) -> None:
+    """Refuse a ``moe_layer_freq`` that mixes dense and MoE layers: the recipe overrides install
+    one layer spec for every layer (``cp_layer_spec``), so they refuse it when applied rather
+    than at model build."""
+    freq = getattr(config, "moe_layer_freq", 1)
+    if getattr(config, "num_moe_experts", None) and freq != 1 and (not isinstance(freq, list) or 0 in freq):
+        raise ValueError(
+            f"cp_layer_spec builds one layer spec for every layer; moe_layer_freq={freq!r} mixes dense and MoE "
+            "layers. Use moe_layer_freq=1, or build per-layer specs with get_gpt_layer_cp_spec(num_experts=...)"
+        )

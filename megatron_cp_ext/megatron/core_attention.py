@@ -266,10 +266,12 @@ class CPCoreAttention(MegatronModule):
             self._refuse_everywhere(err)
         return ctx
 
-    def _refuse_everywhere(self, err: CPArgumentError) -> NoReturn:
-        """Raise ``err`` on every CP rank: a rank whose data was split otherwise (it recorded
-        another split, or none) would else attend alone and wait in its first exchange. This
-        rank joins ``cp_attention``'s consistency exchange with the error flag (never returns)."""
+    def _refuse_everywhere(self, err: ValueError) -> NoReturn:
+        """Raise ``err`` (as a ``CPArgumentError``) on every CP rank: a rank whose data was split
+        otherwise (it recorded another split, or none) would else attend alone and wait in its
+        first exchange. This rank joins ``cp_attention``'s consistency exchange with the error
+        flag (never returns)."""
+        err = err if isinstance(err, CPArgumentError) else CPArgumentError(str(err))
         group = self.comm_group if self.cp_size > 1 else None
         agreement.raise_everywhere(err, None, self.cp_size, self.cp_rank, wait=REFUSAL_WAIT_S, cp_group=group)
 

@@ -29,7 +29,6 @@ from megatron.core.models.common.embeddings import yarn_rotary_pos_embedding as 
 from megatron.core.transformer import multi_latent_attention as _mla_module
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
-from ..runtime.validation import CPArgumentError
 from .rope import CPRotaryEmbedding, _zigzag_positions_on
 
 __all__ = ["CPMLARotaryEmbedding", "CPMLASelfAttention", "local_token_positions"]
@@ -151,7 +150,7 @@ def local_token_positions(attention: torch.nn.Module, s_local: int, packed_seq_p
         return _zigzag_positions_on(s_local, cp_size, cp_rank, torch.device(device))
     except ValueError as err:  # this rank's length alone: its CP peers wait in the layer's exchange
         if cp_size > 1:
-            attention.core_attention._refuse_everywhere(CPArgumentError(str(err)))
+            attention.core_attention._refuse_everywhere(err)
         raise
 
 

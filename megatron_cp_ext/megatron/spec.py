@@ -36,7 +36,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer, get_transformer_layer_offset
 from megatron.core.utils import get_pg_rank
 
-from ..runtime.validation import CPArgumentError
+from ..recipe_checks import check_one_layer_kind
 from .core_attention import CPAttentionOptions, CPCoreAttention
 from .mla import CPMLASelfAttention, _local_seq_len
 from .rope import apply_rope_at_positions, local_rope_freqs
@@ -108,7 +108,7 @@ class CPSelfAttention(SelfAttention):
             )
         except ValueError as err:  # sbhd/bshd lengths, table rows: this rank's own values
             if cp is self.pg_collection.cp and cp_size > 1:  # its peers wait in the layer's exchange
-                self.core_attention._refuse_everywhere(CPArgumentError(str(err)))
+                self.core_attention._refuse_everywhere(err)
             raise
 
     def forward(self, hidden_states, attention_mask, *args: Any, **kwargs: Any):
@@ -265,12 +265,7 @@ def cp_layer_spec(
     and refuses Kitchen; bind ``options`` with a partial (what
     :func:`megatron_cp_ext.nemo.apply_cp` does).
     """
-    freq = getattr(config, "moe_layer_freq", 1)
-    if getattr(config, "num_moe_experts", None) and freq != 1 and (not isinstance(freq, list) or 0 in freq):
-        raise ValueError(
-            f"cp_layer_spec builds one layer spec for every layer; moe_layer_freq={freq!r} mixes dense and MoE "
-            "layers. Use moe_layer_freq=1, or build per-layer specs with get_gpt_layer_cp_spec(num_experts=...)"
-        )
+    check_one_layer_kind(config)
     return get_gpt_layer_cp_spec(options=options, **_local_spec_kwargs(config))
 
 

@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--a2a-size", type=int, default=None, help="a2a+p2p: ranks per a2a group (default: a node's)")
     p.add_argument("--balance", default="workload", help=f"balances, comma-separated: {', '.join(BALANCES)}")
     p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True, help="causal mask")
-    p.add_argument("--window", default=None, help="sliding window L[,R] (-1 = unbounded; write --window=-1,0)")
+    p.add_argument("--window", default=None, help="sliding window L[,R] (-1 = unbounded)")
     p.add_argument("--chunk", type=int, default=None, help="chunked attention: chunk size")
     p.add_argument("--heads", type=int, default=64, help="query heads")
     p.add_argument("--kv-heads", type=int, default=8, help="KV heads")
@@ -268,9 +268,21 @@ def _bar(stream):
     return show
 
 
+def _window_value_joined(argv: list[str]) -> list[str]:
+    """``--window -1,0`` as ``--window=-1,0``: argparse takes a value such as ``-1,0`` (not a
+    plain negative number) for an option and would report ``--window`` without its value."""
+    out: list[str] = []
+    for arg in argv:
+        if out and out[-1] == "--window" and arg.startswith("-") and arg[1:2].isdigit():
+            out[-1] = f"--window={arg}"
+        else:
+            out.append(arg)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = build_parser()
-    args = p.parse_args(argv)
+    args = p.parse_args(_window_value_joined(sys.argv[1:] if argv is None else list(argv)))
     cfg = _validate(args, p)
     shapes = dict(num_heads=args.heads, num_kv_heads=args.kv_heads, head_dim=args.head_dim,
                   v_head_dim=args.v_head_dim, dtype=DTYPES[args.dtype])  # fmt: skip

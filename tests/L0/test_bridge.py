@@ -147,6 +147,15 @@ def test_dropout_and_shape_checks() -> None:
         bridge.apply_cp(ConfigContainer(model=object()), context_parallel_size=2)
 
 
+def test_mixed_dense_and_moe_layers_are_refused_when_applied() -> None:
+    model = make_model(num_moe_experts=4, moe_layer_freq=[1, 0, 1, 0])
+    before = snapshot(model)
+    with pytest.raises(ValueError, match="moe_layer_freq"):
+        bridge.apply_cp(model, context_parallel_size=2)
+    assert snapshot(model) == before
+    bridge.apply_cp(make_model(num_moe_experts=4, moe_layer_freq=1), context_parallel_size=2)  # all MoE
+
+
 def _megatron_training_container():
     """megatron-core's real config container (0.18+), importable on Python 3.11 too."""
     if not hasattr(typing, "override"):  # Python 3.12 API that megatron.training imports

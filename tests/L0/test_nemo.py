@@ -149,3 +149,15 @@ def test_attention_dropout_must_be_off_and_recipe_shape_is_checked() -> None:
         apply_cp(make_recipe(attention_dropout=0.1), context_parallel_size=2)
     with pytest.raises(TypeError, match="NeMo 2 recipe"):
         apply_cp(run.Config(LlamaModel, config=None), context_parallel_size=2)
+
+
+def test_mixed_dense_and_moe_layers_are_refused_when_applied() -> None:
+    recipe = make_recipe()
+    recipe.model.config.num_moe_experts = 4
+    recipe.model.config.moe_layer_freq = 2
+    before = flatten(recipe)
+    with pytest.raises(ValueError, match="moe_layer_freq"):
+        apply_cp(recipe, context_parallel_size=2)
+    assert flatten(recipe) == before
+    recipe.model.config.moe_layer_freq = [1, 1, 1, 1]  # every layer MoE: one spec fits
+    apply_cp(recipe, context_parallel_size=2)

@@ -208,3 +208,14 @@ def test_module_entry_point():
                        capture_output=True, text=True, timeout=120)  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["documents"] == 2
+
+
+def test_window_takes_a_negative_value_either_way(capsys):
+    """``--window -1,0`` (space-separated) plans the same as ``--window=-1,0``: argparse alone
+    reads ``-1,0`` as an option and reports ``--window`` without its value."""
+    lengths = ",".join(map(str, LENGTHS))
+    spaced = _json(capsys, ["--lengths", lengths, "--cp", "4", "--window", "-1,0"])
+    joined = _json(capsys, ["--lengths", lengths, "--cp", "4", "--window=-1,0"])
+    causal = _json(capsys, ["--lengths", lengths, "--cp", "4", "--causal"])
+    assert spaced["rows"] == joined["rows"] == causal["rows"]  # a left-unbounded, right-0 window is causal
+    assert spaced["rows"] != _json(capsys, ["--lengths", lengths, "--cp", "4", "--window", "8,0"])["rows"]
