@@ -35,7 +35,7 @@ from .context import (
     cp_context,
     default_token_multiple,
     host_cu_seqlens,
-    version_of,
+    stamp_of,
 )
 
 __all__ = [
@@ -114,7 +114,7 @@ def make_packed_seq_params(
         max_seqlen_kv=max_len,
         cp_group=cp_group,
     )
-    ctx = CPBatchContext(sharding=sharding, rank=rank, recipe=recipe, source=(cu_dev,), version=(version_of(cu_dev),))
+    ctx = CPBatchContext(sharding=sharding, rank=rank, recipe=recipe, source=(cu_dev,), stamps=(stamp_of(cu_dev),))
     setattr(params, CONTEXT_ATTR, ctx)
     return params
 

@@ -6,8 +6,9 @@ caches the attention plans, and this rank's token positions per device), so all 
 RoPE of every layer and the backward share one plan built once on the host.
 
 The context follows the *values* of ``cu_seqlens``, not only the tensor object: it records
-the tensor's version counter (a host-side integer, no device sync), so a buffer refilled in
-place for the next micro-batch is re-sharded with the same :class:`ShardRecipe`.
+the tensor's version counter (a host-side integer, no device sync) and, for a host tensor,
+its values, so a buffer refilled in place for the next micro-batch is re-sharded with the same
+:class:`ShardRecipe`. A device buffer written around autograd's counter (``.data``) is not seen.
 """
 
 from __future__ import annotations
@@ -80,8 +81,9 @@ class CPBatchContext:
     """How :attr:`sharding` was made (re-applied when ``cu_seqlens`` change in place)."""
     source: tuple = ()
     """The ``cu_seqlens`` tensors the context was derived from (detects a reused params object)."""
-    version: tuple = ()
-    """Their version counters then: an in-place refill bumps one, without a device sync."""
+    stamps: tuple = ()
+    """Their :func:`stamp_of` then: an in-place refill bumps a version counter, without a
+    device sync; a host tensor's values are compared too."""
     layout: CPSharding | None = None
     """The split over ``cu_seqlens`` (or the padded ones) before padding became sequences of its
     own: what the data's recorded split is compared with (:mod:`megatron_cp_ext.sharding.splits`);
@@ -104,12 +106,26 @@ class CPBatchContext:
         return (
             len(sources) == len(self.source)
             and all(a is b for a, b in zip(sources, self.source))
-            and self.version == tuple(version_of(t) for t in sources)
+            and all(same_stamp(t, st) for t, st in zip(sources, self.stamps))
         )
 
 
-def version_of(t: torch.Tensor) -> int:
-    """The tensor's in-place version counter (host-side; inference tensors have none: -1)."""
+def stamp_of(t: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+    """What tells a refilled ``cu_seqlens`` from the one a context was made from: its in-place
+    version counter and, for a host tensor, a copy of its values. Writes through ``.data`` or a
+    NumPy view (a pinned buffer refilled by a loader) leave the counter alone; comparing a host
+    tensor's values costs no sync, a device tensor's would."""
+    return _version(t), (t.clone() if t.device.type == "cpu" else None)
+
+
+def same_stamp(t: torch.Tensor, stamp: tuple[int, torch.Tensor | None]) -> bool:
+    """Whether ``t`` still matches ``stamp`` (:func:`stamp_of`)."""
+    version, host = stamp
+    return _version(t) == version and (host is None or (t.shape == host.shape and torch.equal(t, host)))
+
+
+def _version(t: torch.Tensor) -> int:
+    """The in-place version counter (host-side; inference tensors have none: -1)."""
     try:
         return t._version
     except RuntimeError:
@@ -290,8 +306,8 @@ def cp_context(
 
     Made once per micro-batch: by :func:`make_packed_seq_params` / :func:`shard_batch_for_cp`,
     or on first use from a plain ``PackedSeqParams`` (:func:`derive_recipe`). Reused while its
-    ``cu_seqlens`` tensor is the same object with the same version counter; an in-place
-    refill (or a new tensor) re-shards with the same recipe. ``tokens``: this rank's token
+    ``cu_seqlens`` tensor is the same object with the same version counter (and values, on the
+    host); an in-place refill (or a new tensor) re-shards with the same recipe. ``tokens``: this rank's token
     count, checked against a plain ``PackedSeqParams``' total first. Every use checks the split
     against the one this process split the data with (:func:`check_split`).
     """
@@ -308,7 +324,7 @@ def cp_context(
     recipe = ctx.recipe if ctx is not None else derive_recipe(params, balance)
     _check_self_attention(params)
     # One host copy per micro-batch (a sync if cu lives on the GPU); never per layer.
-    version = tuple(version_of(t) for t in sources)
+    stamps = tuple(stamp_of(t) for t in sources)
     cu_host = [host_cu_seqlens(t) for t in sources]
     name = "PackedSeqParams.cu_seqlens_q" + ("_padded" if params.cu_seqlens_q_padded is not None else "")
     derived = ctx is None
@@ -346,7 +362,7 @@ def cp_context(
     layout = sharding
     if len(cu_host) == 2:
         sharding = separate_padding(sharding, cu_host[1], name="PackedSeqParams.cu_seqlens_q")
-    ctx = CPBatchContext(sharding=sharding, rank=cp_rank, recipe=recipe, source=sources, version=version,
+    ctx = CPBatchContext(sharding=sharding, rank=cp_rank, recipe=recipe, source=sources, stamps=stamps,
                          layout=layout, made_by=made_by)  # fmt: skip
     check_split(ctx)
     setattr(params, CONTEXT_ATTR, ctx)

@@ -32,7 +32,8 @@ def _block(cp: int, **extra):
 
 def refill_case(rank: int, world: int) -> list[float]:
     """Worker: one static ``cu_seqlens`` buffer refilled per micro-batch (plain params, and
-    params made by make_packed_seq_params) gives what fresh params give, micro-batch by micro-batch."""
+    params made by make_packed_seq_params) gives what fresh params give, micro-batch by
+    micro-batch, whether the refill bumps the version counter (``copy_``) or not (``.data``, NumPy)."""
     from megatron.core import parallel_state
     from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -46,29 +47,37 @@ def refill_case(rank: int, world: int) -> list[float]:
     table = CPRotaryEmbedding(8)(64)
     micro_batches = [[8, 24, 4, 12], [16, 4, 20, 8], [4, 4, 36, 4]]  # one shape, new values each step
     x = torch.randn(48, 1, HIDDEN, generator=torch.Generator().manual_seed(1))
-    buf = torch.zeros(5, dtype=torch.int32)
-    plain = PackedSeqParams(qkv_format="thd", cu_seqlens_q=buf, cu_seqlens_kv=buf, max_seqlen_q=64, max_seqlen_kv=64)
-    ours = make_packed_seq_params([0, *torch.tensor(micro_batches[0]).cumsum(0).tolist()], cp_group=group)
+    refills = {
+        "copy_": lambda dst, cu: dst.copy_(cu),
+        "data": lambda dst, cu: dst.data.copy_(cu),  # leaves the version counter alone
+        "numpy": lambda dst, cu: dst.numpy().__setitem__(slice(None), cu.numpy()),  # so does NumPy
+    }
     diffs = []
-    for lengths in micro_batches:
-        cu = torch.tensor([0, *lengths]).cumsum(0)
-        buf.copy_(cu)
-        ours.cu_seqlens_q.copy_(cu)
-        for params, sharding, fresh in (
-            (plain, mcx.te_thd_sharding(cu, world), PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu.int())),
-            (ours, mcx.shard_sequences(cu, world), make_packed_seq_params(cu, cp_group=group)),
-        ):
-            x_loc = sharding.shard(x, rank)
-            with torch.no_grad():
-                y = block(x_loc, attention_mask=None, rotary_pos_emb=table, packed_seq_params=params)
-                y_ref = block(x_loc, attention_mask=None, rotary_pos_emb=table, packed_seq_params=fresh)
-            diffs.append((y - y_ref).abs().max().item())
+    for refill in refills.values():
+        buf = torch.zeros(5, dtype=torch.int32)
+        plain = PackedSeqParams(
+            qkv_format="thd", cu_seqlens_q=buf, cu_seqlens_kv=buf, max_seqlen_q=64, max_seqlen_kv=64
+        )
+        ours = make_packed_seq_params([0, *torch.tensor(micro_batches[0]).cumsum(0).tolist()], cp_group=group)
+        for lengths in micro_batches:
+            cu = torch.tensor([0, *lengths]).cumsum(0)
+            refill(buf, cu.int())
+            refill(ours.cu_seqlens_q, cu.to(ours.cu_seqlens_q.dtype))
+            for params, sharding, fresh in (
+                (plain, mcx.te_thd_sharding(cu, world), PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu.int())),
+                (ours, mcx.shard_sequences(cu, world), make_packed_seq_params(cu, cp_group=group)),
+            ):
+                x_loc = sharding.shard(x, rank)
+                with torch.no_grad():
+                    y = block(x_loc, attention_mask=None, rotary_pos_emb=table, packed_seq_params=params)
+                    y_ref = block(x_loc, attention_mask=None, rotary_pos_emb=table, packed_seq_params=fresh)
+                diffs.append((y - y_ref).abs().max().item())
     return diffs
 
 
 def test_refilled_cu_seqlens_rebuild_the_plan() -> None:
     for rank, diffs in enumerate(run_on_ranks(2, refill_case)):
-        assert len(diffs) == 6 and max(diffs) == 0.0, (rank, diffs)
+        assert len(diffs) == 18 and max(diffs) == 0.0, (rank, diffs)
 
 
 @contextlib.contextmanager
