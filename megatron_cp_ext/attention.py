@@ -219,14 +219,14 @@ def _auto(cp_group, groups: CPGroups, sharding: CPSharding, mask: MaskSpec, shap
 
 def _fingerprint(sharding: CPSharding) -> dict:
     state = _SIG_STATE.get(sharding)
-    if state is None:
-        state = _SIG_STATE[sharding] = {
+    if state is None:  # setdefault: ranks run as threads share one state (else one skips an exchange)
+        state = _SIG_STATE.setdefault(sharding, {
             "cu_crc": zlib.crc32(",".join(map(str, sharding.cu_seqlens)).encode()),
             "total_tokens": sharding.total_tokens,
             "num_seqs": sharding.num_seqs,
             "seg_crc": zlib.crc32(sharding.seg.tobytes() + sharding.rank_ptr.tobytes()),
             "agreed": set(),
-        }
+        })  # fmt: skip
     return state
 
 

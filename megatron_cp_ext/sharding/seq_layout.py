@@ -26,9 +26,10 @@ def fixed_length_sharding(b: int, s_local: int, cp: int, qkv_format: str) -> CPS
             f"divisible by 2*cp = {2 * cp}"
         )
     key = (b, s, cp)
-    if key not in _SEQ_SHARDINGS:
-        _SEQ_SHARDINGS[key] = shard_sequences([i * s for i in range(b + 1)], cp, "dualchunk")
-    return _SEQ_SHARDINGS[key]
+    found = _SEQ_SHARDINGS.get(key)
+    if found is None:  # setdefault: ranks run as threads all get the first one made (one agreement state)
+        found = _SEQ_SHARDINGS.setdefault(key, shard_sequences([i * s for i in range(b + 1)], cp, "dualchunk"))
+    return found
 
 
 def seq_to_thd(q, k, v, fmt: str):
