@@ -26,7 +26,7 @@ from .backends import BACKENDS, get_backend
 from .backends import backend_name as resolved_name
 from .masks import MaskSpec
 from .runtime import agreement as agr
-from .runtime.groups import CPGroups, GroupInfo, cp_groups, ranks_crc
+from .runtime.groups import CPGroups, GroupInfo, checked_rank, cp_groups, ranks_crc
 from .runtime.validation import (
     DTYPES,
     CPArgumentError,
@@ -54,8 +54,7 @@ __all__ = ["cp_attention", "COMM_TYPES", "QKV_FORMATS"]
 COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
 QKV_FORMATS = ("thd", "bshd", "sbhd")
 _SIG_STATE: weakref.WeakKeyDictionary[CPSharding, dict] = weakref.WeakKeyDictionary()
-"""Per sharding (micro-batch): its fingerprint and the signatures all ranks agreed on. Kept
-beside the sharding rather than in its plan cache, which holds plans only."""
+"""Per sharding (micro-batch): its fingerprint and the signatures all ranks agreed on."""
 
 
 class _CPAttention(torch.autograd.Function):
@@ -143,6 +142,7 @@ def _prepare(q, k, v, a: dict, known: _Known) -> _Call:
         comm_type = "a2a+p2p" if isinstance(a["cp_group"], (list, tuple)) else "p2p"
     groups = known.groups = cp_groups(a["cp_group"], comm_type)
     known.cp_rank = groups.rank
+    checked_rank(groups)  # a pair's CP rank is its whole group's
     causal, window = as_bool(a["causal"], "causal"), as_window(a["window_size"])
     mask = MaskSpec.make(causal=causal, window_size=window, chunk_size=as_chunk(a["chunk_size"]))
     scale = as_scale(a["softmax_scale"])

@@ -100,6 +100,7 @@ def make_packed_seq_params(
         window_size=(-1, -1) if window_size is None else window_size,
         chunk_size=chunk_size,
         token_multiple=token_multiple,
+        given=sharding is not None,
     )
     sharding = sharding or recipe.build(cu_cpu.tolist(), size)
     check_token_multiple(sharding, token_multiple, f"token_multiple={token_multiple}")
@@ -114,7 +115,8 @@ def make_packed_seq_params(
         max_seqlen_kv=max_len,
         cp_group=cp_group,
     )
-    ctx = CPBatchContext(sharding=sharding, rank=rank, recipe=recipe, source=(cu_dev,), stamps=(stamp_of(cu_dev),))
+    ctx = CPBatchContext(sharding=sharding, rank=rank, recipe=recipe, source=(cu_dev,), stamps=(stamp_of(cu_dev),),
+                         values=(tuple(cu_cpu.tolist()),))  # fmt: skip
     setattr(params, CONTEXT_ATTR, ctx)
     return params
 

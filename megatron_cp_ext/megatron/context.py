@@ -61,6 +61,9 @@ class ShardRecipe:
     """Chunked attention of that mask."""
     token_multiple: int = 1
     """Every rank's token count is a multiple of this (sequence parallelism: the TP size)."""
+    given: bool = False
+    """The split was given (``make_packed_seq_params(sharding=...)``): the fields above do not
+    make it, so other ``cu_seqlens`` cannot be re-sharded the same way."""
 
     def build(self, cu_host: list[int], cp_size: int, name: str = "cu_seqlens") -> CPSharding:
         if self.balance == TE_LAYOUT:
@@ -84,6 +87,8 @@ class CPBatchContext:
     stamps: tuple = ()
     """Their :func:`stamp_of` then: an in-place refill bumps a version counter, without a
     device sync; a host tensor's values are compared too."""
+    values: tuple = ()
+    """Their values then, on the host: a refill with the same values keeps the sharding."""
     layout: CPSharding | None = None
     """The split over ``cu_seqlens`` (or the padded ones) before padding became sequences of its
     own: what the data's recorded split is compared with (:mod:`megatron_cp_ext.sharding.splits`);
@@ -284,6 +289,10 @@ def _sources(params: PackedSeqParams) -> tuple:
     return (cu,) if params.cu_seqlens_q_padded is None or real is None or real is cu else (cu, real)
 
 
+def _name(params: PackedSeqParams) -> str:
+    return "PackedSeqParams.cu_seqlens_q" + ("_padded" if params.cu_seqlens_q_padded is not None else "")
+
+
 def _total_off(cu_host: list[int], tokens: int | None, cp_size: int, name: str) -> str | None:
     """Why a plain ``PackedSeqParams`` cannot describe the tokens the ranks hold, if it cannot:
     every split the layer derives deals ``cu_seqlens[-1]`` tokens evenly (``total // cp`` or one
@@ -326,7 +335,16 @@ def cp_context(
     # One host copy per micro-batch (a sync if cu lives on the GPU); never per layer.
     stamps = tuple(stamp_of(t) for t in sources)
     cu_host = [host_cu_seqlens(t) for t in sources]
-    name = "PackedSeqParams.cu_seqlens_q" + ("_padded" if params.cu_seqlens_q_padded is not None else "")
+    if ctx is not None and ctx.values == tuple(map(tuple, cu_host)):  # refilled with the same values
+        ctx.source, ctx.stamps = sources, stamps
+        return cp_context(params, cp_size, cp_rank, balance, tokens)
+    if ctx is not None and ctx.recipe.given:
+        raise CPArgumentError(
+            f"{_name(params)} was refilled in place with other values, but these PackedSeqParams carry the split "
+            "they were made with (make_packed_seq_params(sharding=...)), which cannot be rebuilt for them: make "
+            "new params for each micro-batch, with the sharding its data was split with"
+        )
+    name = _name(params)
     derived = ctx is None
     total_off = _total_off(cu_host[0], tokens, cp_size, name) if derived else None
     if derived:
@@ -363,7 +381,7 @@ def cp_context(
     if len(cu_host) == 2:
         sharding = separate_padding(sharding, cu_host[1], name="PackedSeqParams.cu_seqlens_q")
     ctx = CPBatchContext(sharding=sharding, rank=cp_rank, recipe=recipe, source=sources, stamps=stamps,
-                         layout=layout, made_by=made_by)  # fmt: skip
+                         values=tuple(map(tuple, cu_host)), layout=layout, made_by=made_by)  # fmt: skip
     check_split(ctx)
     setattr(params, CONTEXT_ATTR, ctx)
     return ctx

@@ -17,7 +17,8 @@ import torch.distributed as dist
 
 from .validation import CPArgumentError, CPArgumentTypeError, as_int, as_ints
 
-__all__ = ["HierarchicalCPGroups", "hierarchical_cp_groups", "CPGroups", "cp_groups", "group_info", "ranks_crc"]
+__all__ = ["HierarchicalCPGroups", "hierarchical_cp_groups", "CPGroups", "cp_groups", "checked_rank", "group_info"]
+__all__ += ["ranks_crc"]
 
 
 class HierarchicalCPGroups(list):
@@ -45,13 +46,16 @@ def hierarchical_cp_groups(a2a_size: int, cp_ranks: Sequence[int] | None = None)
 
     Args:
         a2a_size: ranks per all-to-all group; must divide the CP size.
-        cp_ranks: global ranks of the CP group in CP-rank order (default: the whole world).
+        cp_ranks: global ranks of the CP group, ascending (default: the whole world):
+            ``new_group`` orders every group by global rank, so that is the CP-rank order.
             Every rank must pass the same list, so this serves one CP group; with data
             parallelism (several CP groups) use Megatron's groups or
             ``megatron_cp_ext.megatron.core_attention.hierarchical_groups_from_sizes``.
     """
     ranks = list(range(dist.get_world_size())) if cp_ranks is None else as_ints(cp_ranks, "cp_ranks")
     a2a_size = as_int(a2a_size, "a2a_size", minimum=1)
+    if any(b <= a for a, b in zip(ranks, ranks[1:])):
+        raise CPArgumentError(f"cp_ranks must be ascending global ranks (new_group orders groups so), got {ranks}")
     if len(ranks) % a2a_size:
         raise CPArgumentError(f"a2a_size ({a2a_size}) must divide the CP size ({len(ranks)})")
     me = dist.get_rank()
@@ -165,6 +169,25 @@ def cp_groups(cp_group: object, comm_type: str) -> CPGroups:
     if comm_type == "a2a":
         return CPGroups(g, None, info.size, info.size, info.rank, cp_group, info, None)
     return CPGroups(None, g, 1, info.size, info.rank, cp_group, None, info)
+
+
+def checked_rank(groups: CPGroups) -> int:
+    """This process's CP rank, which the data was split by: where a hierarchical pair carries
+    its whole CP group, the rank the pair implies (p2p rank x a2a size + a2a rank) must be the
+    rank in that group. A pair passed p2p first, or groups built over another order of the
+    ranks, is otherwise a valid layout that attends this rank's tokens as another rank's."""
+    whole = groups.whole
+    if groups.a2a_info is None or groups.p2p_info is None or not isinstance(whole, dist.ProcessGroup):
+        return groups.rank
+    info = group_info(whole)
+    if info.size == groups.size and info.rank != groups.rank:
+        raise CPArgumentError(
+            f"cp_group: the [a2a_group, p2p_group] pair makes this process CP rank {groups.rank} (p2p rank "
+            f"{groups.p2p_info.rank} x a2a size {groups.a2a_size} + a2a rank {groups.a2a_info.rank}), but it is rank "
+            f"{info.rank} of the pair's whole CP group: pass the a2a group first, with a2a groups of consecutive CP "
+            "ranks (megatron_cp_ext.hierarchical_cp_groups builds both)"
+        )
+    return groups.rank
 
 
 def peek_groups(cp_group: object) -> CPGroups | None:

@@ -80,6 +80,56 @@ def test_refilled_cu_seqlens_rebuild_the_plan() -> None:
         assert len(diffs) == 18 and max(diffs) == 0.0, (rank, diffs)
 
 
+def given_split_refill_case(rank: int, world: int) -> list:
+    """Worker: params made with the split the data got (a ``workload`` split balanced under the
+    model's window), data cut by index; the buffer refilled with the same values keeps that
+    split (a rebuild from the params' default mask was another split: max error 3.1, silent),
+    and refilled with other values it refuses on every rank."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    import megatron_cp_ext as mcx
+    from megatron_cp_ext.megatron import CPCoreAttention, make_packed_seq_params
+    from megatron_cp_ext.testing.megatron import setup_parallel_state
+    from megatron_cp_ext.testing.reference import dense_attention
+
+    setup_parallel_state(world)
+    window = (8, 0)
+    config = TransformerConfig(
+        num_layers=1, hidden_size=32, num_attention_heads=4, context_parallel_size=world, window_size=window,
+        attention_dropout=0.0, hidden_dropout=0.0, use_cpu_initialization=True,
+    )  # fmt: skip
+    core = CPCoreAttention(config, 1, AttnMaskType.causal)
+    cu = torch.tensor([0, 300, 307, 308, 578, 578, 591])
+    sh = mcx.shard_sequences(cu, world, window_size=window)
+    params = make_packed_seq_params(cu, cp_group=parallel_state.get_context_parallel_group(), sharding=sh)
+    idx = sh.global_index(rank)
+    out = []
+    for step in range(3):
+        if step:
+            refill = cu if step == 1 else torch.tensor([0, 7, 300, 301, 578, 578, 591])
+            params.cu_seqlens_q.copy_(refill.to(params.cu_seqlens_q.dtype))
+        g = torch.Generator().manual_seed(step)
+        q, k, v = (torch.randn(591, 4, 8, generator=g, dtype=torch.float64) for _ in range(3))
+        try:
+            got = core(q[idx], k[idx], v[idx], None, packed_seq_params=params)
+        except mcx.CPArgumentError as err:
+            out.append(str(err))
+            continue
+        want = dense_attention(q, k, v, cu, causal=True, window_size=window).flatten(-2)[idx]
+        out.append((got - want).abs().max().item())
+    return out
+
+
+def test_refilled_params_keep_the_split_they_were_given() -> None:
+    res = run_on_ranks(2, given_split_refill_case)
+    for same, same_refilled, other in res:
+        assert same < 1e-12 and same_refilled < 1e-12, res
+        assert "refilled in place with other values" in other, other
+    assert res[0][2] == res[1][2]  # one error, on every rank
+
+
 @contextlib.contextmanager
 def _megatron_on_cpu():
     """Megatron's TP collectives allocate on "the current CUDA device" (the CPU here) and
