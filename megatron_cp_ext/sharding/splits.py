@@ -133,7 +133,8 @@ def generation() -> int:
 
 
 def clear() -> None:
-    """Forget every recorded split (a test harness between independent tasks)."""
+    """Forget every recorded split: between independent tasks, or where a run changes how it
+    splits batches of the same ``cu_seqlens`` (training's split, then evaluation's)."""
     with _LOCK:
         _RECENT.clear()
         _RANKS.clear()
@@ -166,9 +167,12 @@ def mismatch(data: tuple[Split, ...], layer: str, cu, cp_size: int, mine: Split 
     where = f"; {first_difference(d, mine)}" if mine is not None else ""
     also = f" (and {len(data) - 1} other split(s) of the same cu_seqlens)" if len(data) > 1 else ""
     return (
-        f"CP split mismatch: this micro-batch's data ({len(cu) - 1} sequences, {cu[-1]} tokens, CP {cp_size}) was "
+        f"CP split mismatch: data with these cu_seqlens ({len(cu) - 1} sequences, {cu[-1]} tokens, CP {cp_size}) was "
         f"split by {describe(d)}{also} with megatron_cp_ext (CPSharding.shard, shard_batch_for_cp, or a "
-        f"sharding received from a data-loader worker), but the attention layer would use {layer}{where}. {fix}"
+        f"sharding received from a data-loader worker), but the attention layer would use {layer}{where}. {fix} "
+        "(The record is per cu_seqlens: a batch cut by index after an earlier micro-batch with the same "
+        "cu_seqlens was split another way is refused too; split it with CPSharding.shard, or call "
+        "megatron_cp_ext.sharding.splits.clear() where the split changes, e.g. before evaluation.)"
     )
 
 

@@ -190,3 +190,35 @@ def test_bshd_sbhd_data_split_is_dual_chunk_or_refuses(data, fmt, b):
         assert all(r["same"] and r["err"] < 1e-12 for r in got), got
     assert data not in ("dualchunk",) or "err" in got[0]  # Megatron's own split always runs
     assert data not in ("contiguous",) or "error" in got[0]  # a contiguous cut never equals it
+
+
+def _split_changes_between_micro_batches(rank: int, world: int) -> list[str]:
+    """Worker: micro-batch 1 split by ``shard`` (``workload``, recorded); micro-batch 2 of the
+    same ``cu_seqlens`` cut by index for a dual-chunk split (nothing recorded for it)."""
+    import torch.distributed as dist
+
+    import megatron_cp_ext as mcx
+    from megatron_cp_ext.sharding import splits
+
+    cu, g = [0, 64, 128], torch.Generator().manual_seed(0)
+    first = mcx.shard_sequences(cu, world, "workload")
+    x = first.shard(torch.randn(128, 2, 8, generator=g, dtype=torch.float64), rank)
+    mcx.cp_attention(x, x, x, cp_group=dist.group.WORLD, sharding=first)
+    second = mcx.shard_sequences(cu, world, "dualchunk")
+    y = torch.randn(128, 2, 8, generator=g, dtype=torch.float64)[torch.as_tensor(second.global_index(rank))]
+    out = []
+    for _ in range(2):
+        try:
+            mcx.cp_attention(y, y, y, cp_group=dist.group.WORLD, sharding=second)
+            out.append("ran")
+        except mcx.CPArgumentError as err:
+            out.append(str(err))
+            splits.clear()  # where the split changes: the next call runs
+    return out
+
+
+def test_a_split_change_on_the_same_cu_seqlens_names_its_way_out():
+    """The record is per ``cu_seqlens``, so the second micro-batch is refused (a documented
+    limit), with a message that says why and how to go on; after ``splits.clear()`` it runs."""
+    for refused, ran in run_threads(2, _split_changes_between_micro_batches, timeout=120):
+        assert "CP split mismatch" in refused and "splits.clear()" in refused and ran == "ran", (refused, ran)
