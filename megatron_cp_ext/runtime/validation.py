@@ -93,9 +93,13 @@ def as_int(value: object, name: str, *, minimum: int | None = None, maximum: int
 
 
 def as_ints(values: object, name: str) -> list[int]:
-    """A sequence of ints (e.g. host ``cu_seqlens`` as a list); every entry strictly an int."""
+    """A sequence of ints (e.g. host ``cu_seqlens`` as a list, or a 1-D NumPy integer array);
+    every entry strictly an int."""
+    if isinstance(values, np.ndarray) and values.ndim == 1 and values.dtype.kind in "iu":
+        values = values.tolist()
     if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
-        raise CPArgumentTypeError(f"{name} must be a CPU integer tensor or a sequence of ints, {_got(values)}")
+        kinds = "a CPU integer tensor, a 1-D integer NumPy array or a sequence of ints"
+        raise CPArgumentTypeError(f"{name} must be {kinds}, {_got(values)}")
     out = []
     for i, x in enumerate(values):
         if not _is_int(x):

@@ -92,6 +92,18 @@ def test_bad_cu_seqlens(cu, match):
     assert match in str(e.value)
 
 
+def test_numpy_cu_seqlens_as_a_list():
+    """A 1-D integer NumPy array plans as its list does; float or 2-D arrays are refused."""
+    import numpy as np
+
+    for dtype in (np.int32, np.int64, np.uint32):
+        a, b = mcx.shard_sequences(np.array([0, 5, 5, 19], dtype=dtype), 3), mcx.shard_sequences([0, 5, 5, 19], 3)
+        assert a.cu_seqlens == b.cu_seqlens and all(torch.equal(a.global_index(r), b.global_index(r)) for r in range(3))
+    for bad in (np.array([0.0, 5.0]), np.array([[0, 5]])):
+        with pytest.raises(TypeError, match="cu_seqlens"):
+            mcx.shard_sequences(bad, 2)
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match="cu_seqlens"):
         mcx.shard_sequences(torch.tensor([[0, 1]]), 2)
