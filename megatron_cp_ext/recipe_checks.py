@@ -57,7 +57,11 @@ def check_one_layer_kind(config: object) -> None:
     one layer spec for every layer (``cp_layer_spec``), so they refuse it when applied rather
     than at model build."""
     freq = getattr(config, "moe_layer_freq", 1)
-    if getattr(config, "num_moe_experts", None) and freq != 1 and (not isinstance(freq, list) or 0 in freq):
+    if isinstance(freq, int):  # every freq-th layer from layer 1: one kind only at 1 layer or freq 1
+        mixes = freq != 1 and getattr(config, "num_layers", None) != 1
+    else:
+        mixes = not isinstance(freq, list) or 0 in freq
+    if getattr(config, "num_moe_experts", None) and mixes:
         raise ValueError(
             f"cp_layer_spec builds one layer spec for every layer; moe_layer_freq={freq!r} mixes dense and MoE "
             "layers. Use moe_layer_freq=1, or build per-layer specs with get_gpt_layer_cp_spec(num_experts=...)"

@@ -266,6 +266,13 @@ def _layout_error(sigs: list[dict]) -> str | None:
                     "that the other ranks use; every rank must pass groups built together "
                     "(for 'a2a+p2p': a2a groups are consecutive CP ranks)"
                 )
+    order = [glob[c] for c in range(n)]
+    if any(b <= a for a, b in zip(order, order[1:])):  # e.g. a plain pair passed p2p first
+        return (
+            f"cp_group: CP ranks 0..{n - 1} are global ranks {order}, not in global-rank order, which is the "
+            "CP group's own order (new_group sorts it) and the rank the data is split by: for 'a2a+p2p' pass "
+            "[a2a_group, p2p_group], a2a groups of consecutive CP ranks"
+        )
     return None
 
 

@@ -296,6 +296,7 @@ def test_cp_layer_spec_refuses_mixed_dense_and_moe_layers() -> None:
     with pytest.raises(ValueError, match="moe_layer_freq"):
         cp_layer_spec(config(num_moe_experts=4, moe_layer_freq=2))
     cp_layer_spec(config(num_moe_experts=4, moe_layer_freq=[1, 1]))  # all MoE: one spec fits
+    cp_layer_spec(config(num_moe_experts=4, moe_layer_freq=2, num_layers=1))  # layer 1 is MoE for any int
 
 
 @pytest.mark.parametrize("arg", ["use_kitchen", "use_kitchen_attention"])

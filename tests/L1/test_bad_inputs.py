@@ -200,15 +200,16 @@ def test_world_sized_sharding_in_sub_world_cp_groups():
     assert res[2]["type"] is None and res[3]["type"] is None, res
 
 
-def _pair_passed_p2p_first(rank: int, world: int) -> dict:
-    """Worker: every rank passes its hierarchical pair as [p2p, a2a]; the data is cut by index
-    with the CP group's rank (as Megatron's batch split does), so no split is on record."""
+def _pair_passed_p2p_first(rank: int, world: int, plain: bool) -> dict:
+    """Worker: every rank passes its hierarchical pair as [p2p, a2a] (``plain``: as a plain
+    list, which carries no whole group); the data is cut by index with the CP group's rank (as
+    Megatron's batch split does), so no split is on record."""
     import megatron_cp_ext as mcx
 
     with pytest.raises(VE, match="ascending"):  # new_group orders groups by global rank
         mcx.hierarchical_cp_groups(2, [0, 2, 1, 3])
     pair = mcx.hierarchical_cp_groups(2)
-    swapped = mcx.HierarchicalCPGroups(pair[1], pair[0], pair.cp_group)
+    swapped = [pair[1], pair[0]] if plain else mcx.HierarchicalCPGroups(pair[1], pair[0], pair.cp_group)
     sharding = mcx.shard_sequences([0, 13, 13, 14, 59, 66, 68, 96], world)  # 24 tokens on every rank
     idx = torch.as_tensor(sharding.global_index(rank))
     q, k, v = (torch.randn(96, n, 8, generator=torch.Generator().manual_seed(n))[idx] for n in (4, 2, 2))
@@ -219,12 +220,15 @@ def _pair_passed_p2p_first(rank: int, world: int) -> dict:
     return {"type": None}
 
 
-def test_hierarchical_pair_passed_p2p_first():
+@pytest.mark.parametrize("plain", [False, True], ids=["with_cp_group", "plain_list"])
+def test_hierarchical_pair_passed_p2p_first(plain):
     """World 4, a2a size 2: a pair passed [p2p, a2a] is a valid layout whose CP ranks 1 and 2
     are the whole group's 2 and 1, so data cut by the CP group's rank ran silently wrong (max
-    error 3.3 against dense fp64). Refused on every rank."""
-    res = run_on_ranks(4, _pair_passed_p2p_first, timeout=WATCHDOG_S)
-    _assert_same_error(res, Fault("swapped_pair", dict(), VE, "pair makes this process CP rank"))
+    error 3.3 against dense fp64; 2.4 as a plain list). Refused on every rank: the pair that
+    carries its CP group before any collective, the plain list by the consistency exchange."""
+    res = run_on_ranks(4, _pair_passed_p2p_first, plain, timeout=WATCHDOG_S)
+    words = "not in global-rank order" if plain else "pair makes this process CP rank"
+    _assert_same_error(res, Fault("swapped_pair", dict(), VE, words))
 
 
 def _sub_group_in_a_world_cp(rank: int, world: int) -> dict:
@@ -256,5 +260,5 @@ def test_sub_world_group_in_a_world_sized_cp():
 
 def test_suite_size():
     """The issue asks for at least 60 bad-input cases, rank-divergent ones included."""
-    bad = len(UNIFORM) + 2 * len(DIVERGENT) + 2 * len(DRIFT) + 4
+    bad = len(UNIFORM) + 2 * len(DIVERGENT) + 2 * len(DRIFT) + 5
     assert bad >= 60 and len(DIVERGENT) >= 20
