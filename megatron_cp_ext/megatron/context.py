@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
+from ..runtime.stand_in import host_as_device
 from ..runtime.validation import CPArgumentError
 from ..sharding import BALANCES, CPSharding, check_cu_seqlens, shard_sequences, splits
 from ..sharding.te_layout import TE_LAYOUT, separate_padding, te_thd_sharding
@@ -126,7 +127,9 @@ def stamp_of(t: torch.Tensor) -> tuple[int, torch.Tensor | None]:
 def same_stamp(t: torch.Tensor, stamp: tuple[int, torch.Tensor | None]) -> bool:
     """Whether ``t`` still matches ``stamp`` (:func:`stamp_of`)."""
     version, host = stamp
-    return _version(t) == version and (host is None or (t.shape == host.shape and torch.equal(t, host)))
+    if host is None or host_as_device():  # a device tensor: its counter only (reading it would sync)
+        return _version(t) == version
+    return _version(t) == version and t.shape == host.shape and torch.equal(t, host)
 
 
 def _version(t: torch.Tensor) -> int:

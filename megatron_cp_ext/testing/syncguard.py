@@ -14,6 +14,9 @@ must look for the reads themselves:
   their lengths. :func:`sync_free_kernel` replaces it by a dense masked kernel that builds its
   masks from ``cu_seqlens`` with device ops only (as a GPU kernel takes them), so nothing on the
   path is exempt.
+- Host tensors stand in for device ones: checks the package runs only on host-resident data
+  (a host ``cu_seqlens``' values, free to read there) take the device's path while active
+  (:mod:`megatron_cp_ext.runtime.stand_in`).
 
 ``tests/L1/test_no_sync_guard.py`` shows the guard fails on injected syncs of each kind.
 """
@@ -25,6 +28,8 @@ import threading
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..runtime.stand_in import STAND_IN
 
 __all__ = ["HostReadError", "no_host_reads", "sync_free_kernel"]
 
@@ -77,13 +82,14 @@ def no_host_reads():
         return call
 
     _LOCAL.active = True
+    STAND_IN.on = True  # the package's host-only value checks take the device's path
     try:
         for n in _METHODS:
             setattr(torch.Tensor, n, refusing(n))
         with _Mode():
             yield
     finally:
-        _LOCAL.active = False
+        _LOCAL.active = STAND_IN.on = False
         for n, f in saved.items():
             setattr(torch.Tensor, n, f)
 
