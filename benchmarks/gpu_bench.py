@@ -253,14 +253,10 @@ def _memory():
     return gpu_memory
 
 
-def _breakdown_cps(s: Sizes) -> tuple[int, ...]:
-    """CP sizes of the kernel breakdown: every size on the GPU; the largest in the CPU rehearsal
-    (the same code path at every size, and the rehearsal's time counts in CI)."""
-    return s.cp_sizes if s.device == "cuda" else s.cp_sizes[-1:]
-
-
-def _mem_cps(s: Sizes) -> tuple[int, ...]:
-    """CP sizes of the memory table: the largest (the goals' CP 8; the suite's time is short)."""
+def _goal_cp(s: Sizes) -> tuple[int, ...]:
+    """CP sizes of the kernel breakdown and the memory table: the largest, the goals' CP 8. At
+    every size the breakdown's profiled runner calls (8 comm variants, 2 calls each) would
+    outlast the step's budget on a GPU after the CP table itself."""
     return s.cp_sizes[-1:]
 
 
@@ -365,13 +361,13 @@ STEPS = {
     "graphs": lambda s: _builds().bench_graphs(s),  # also run by the suite's attention step
     "cp": lambda s: (
         bench_cp(s),
-        _breakdown().kernel_breakdown(s, cps=_breakdown_cps(s)),
-        _memory().memory_by_rank(s, cps=_mem_cps(s)),
+        _breakdown().kernel_breakdown(s, cps=_goal_cp(s)),
+        _memory().memory_by_rank(s, cps=_goal_cp(s)),
         _breakdown().route_choice(s, cp=s.cp_sizes[-1]),
         _breakdown().host_profile(s),
     ),
-    "memory": lambda s: _memory().memory_by_rank(s, cps=_mem_cps(s)),
-    "breakdown": lambda s: (_breakdown().kernel_breakdown(s, cps=_breakdown_cps(s)), _breakdown().host_profile(s)),
+    "memory": lambda s: _memory().memory_by_rank(s, cps=_goal_cp(s)),
+    "breakdown": lambda s: (_breakdown().kernel_breakdown(s, cps=_goal_cp(s)), _breakdown().host_profile(s)),
     "calibration": lambda s: bench_calibration(s, write=True),
 }
 

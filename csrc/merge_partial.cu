@@ -2,10 +2,11 @@
 //   w       = sigmoid(part_lse - lse)            (= exp(part_lse - new_lse))
 //   out     = lerp(out, part_out, w)
 //   new_lse = logaddexp(lse, part_lse)
-// Rows where both sides are -inf (no visible key yet) get w = 0: out and lse stay.
+// Rows where both sides are -inf (no visible key yet) get w = 0: out and lse stay; a NaN lse
+// on either side makes the row NaN.
 //
 // The arithmetic mirrors the torch fallback (ops.merge_partial_torch: sub, sigmoid_,
-// nan_to_num_, lerp_, logaddexp) op for op, with PyTorch's own CUDA formulas for sigmoid,
+// the both-empty fill, lerp_, logaddexp) op for op, with PyTorch's own CUDA formulas for sigmoid,
 // lerp and logaddexp, so the two agree to the last bit (tests/gpu/test_ops_compile.py).
 // One warp owns one (row, head): it reads the old lse, updates the head_dim values with
 // 16-byte accesses when head_dim and the pointers allow, then lane 0 writes the new lse.
@@ -32,12 +33,13 @@ __device__ __forceinline__ float logaddexp(float a, float b) {
   return m + log1pf(expf(-fabsf(a - b)));
 }
 
-// torch.sigmoid on CUDA (1 / (1 + exp(-x)) in fp32) of the rounded difference, then
-// nan_to_num's NaN -> 0 (both sides -inf: nothing visible yet, keep the accumulator).
+// torch.sigmoid on CUDA (1 / (1 + exp(-x)) in fp32) of the rounded difference; weight 0 where
+// both sides are -inf (nothing visible yet, keep the accumulator). A NaN lse on either side
+// stays NaN and reaches the output, as in the fallback: bad input is never hidden.
 __device__ __forceinline__ float sigmoid_weight(float a, float b) {
   const float x = __fsub_rn(b, a);
   const float w = __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-x)));
-  return isnan(w) ? 0.0f : w;
+  return (isinf(a) && a < 0.0f && isinf(b) && b < 0.0f) ? 0.0f : w;
 }
 
 // torch.lerp on CUDA (ATen's Lerp.h): two formulas split at |w| < 0.5, each a fused

@@ -1,7 +1,7 @@
 // torch-facing side of the CUDA kernels: input checks, device guard, current stream,
 // allocation, and registration as torch.library ops in namespace megatron_cp_ext.
 //
-// Schemas are defined here; their fake (meta) impls live in megatron_cp_ext/ops.py, which
+// Schemas are defined here; their fake (meta) impls live in megatron_cp_ext/runtime/ops.py, which
 // set_python_module points torch at. Only CUDA impls are registered: the Python wrappers
 // send CPU tensors to the pure-torch fallbacks before they reach the dispatcher.
 
@@ -211,7 +211,7 @@ at::Tensor stand_in_cuda(const at::Tensor& dout, const at::Tensor& delta) {
 }
 
 TORCH_LIBRARY(megatron_cp_ext, m) {
-  m.set_python_module("megatron_cp_ext.ops");
+  m.set_python_module("megatron_cp_ext.runtime.ops");
   m.def("gather_rows(Tensor x, Tensor idx) -> Tensor");
   m.def("index_add_rows_(Tensor(a!) acc, Tensor idx, Tensor src) -> ()");
   m.def(

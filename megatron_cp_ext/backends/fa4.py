@@ -84,6 +84,11 @@ def _config(bwd: bool, q, k, v, causal, window) -> tuple:
     return cfg
 
 
+_REFUSALS = (AssertionError, NotImplementedError, ValueError, RuntimeError, TypeError)
+"""What FA4 raises for a call it cannot run; ``TypeError``: an installed FA4 whose interface
+takes other arguments than the pinned one (a release without windows, say) falls back too."""
+
+
 def _refused(cfg: tuple, exc: BaseException):
     """Note a configuration FA4 refused (logged once) and return the fallback backend."""
     from . import flash, reference
@@ -115,7 +120,7 @@ def attn_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ca
                 causal=m.causal, window_size_left=m.left, window_size_right=m.right, return_lse=True,
             )  # fmt: skip
             return out, fa.contract_lse(lse)
-        except (AssertionError, NotImplementedError, ValueError, RuntimeError) as exc:
+        except _REFUSALS as exc:
             fallback = _refused(cfg, exc)
     else:
         fallback = _refused(cfg, RuntimeError("refused before"))
@@ -137,7 +142,7 @@ def attn_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
                 max_seqlen_q=int(max_seqlen_q), max_seqlen_k=int(max_seqlen_k),
             )  # fmt: skip
             return dq, dk, dv
-        except (AssertionError, NotImplementedError, ValueError, RuntimeError) as exc:
+        except _REFUSALS as exc:
             fallback = _refused(cfg, exc)
     else:
         fallback = _refused(cfg, RuntimeError("refused before"))

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .reference import as_contract_lse
+
 __all__ = ["Mask", "mask", "supports", "compile_config", "contract_lse", "kernel_lse", "MAX_HEAD_DIM"]
 
 MAX_HEAD_DIM = 256
@@ -72,8 +74,7 @@ def compile_config(
 def contract_lse(lse_HT: torch.Tensor) -> torch.Tensor:
     """FA4's ``(H, T)`` lse as the contract's ``[T, H]`` fp32: a row that saw no key at
     ``-inf`` (whatever infinity the kernel wrote); a NaN stays a NaN."""
-    inf = float("inf")
-    return lse_HT.float().t().nan_to_num(nan=float("nan"), posinf=-inf, neginf=-inf)
+    return as_contract_lse(lse_HT.t())
 
 
 def kernel_lse(lse_TH: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 # Max logits: a separate exact computation on the scores, run only when requested (flash kernels
 # return the lse, which only bounds the max).
-from .reference import max_logit  # noqa: F401
+from .reference import as_contract_lse, max_logit  # noqa: F401
 
 __all__ = ["HAS_FLASH_ATTN", "attn_fwd", "attn_bwd", "max_logit", "supports"]
 __all__ += ["fa_fwd", "fa_bwd", "aten_fwd", "aten_bwd"]
@@ -83,9 +83,9 @@ def _lse_nh(lse_HN: torch.Tensor) -> torch.Tensor:
     FlashAttention-2 (flash-attn's and PyTorch's copy) writes ``+inf`` for a row whose keys are
     all masked out (a window or a short key entry can leave rows of a call empty); the online
     merge reads that as infinite weight and would wipe out what the row gathered from other
-    calls. One elementwise pass, no host sync."""
-    inf = float("inf")
-    return lse_HN.float().t().nan_to_num(nan=float("nan"), posinf=-inf, neginf=-inf)
+    calls. One elementwise pass into a row-major buffer, no host sync: the merges' CUDA kernel
+    takes contiguous tensors only (a transposed view would send every merge to the fallback)."""
+    return as_contract_lse(lse_HN.t())
 
 
 def fa_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, scale):

@@ -35,6 +35,15 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
+def as_contract_lse(lse_TH: torch.Tensor) -> torch.Tensor:
+    """``lse_TH`` (any strides, e.g. a kernel's ``[H, T]`` transposed) as the contract's
+    contiguous fp32 ``[T, H]``, every infinity at ``-inf`` (a row that saw no key, whichever
+    infinity the kernel wrote); a NaN stays a NaN. One pass."""
+    inf = float("inf")
+    out = torch.empty(lse_TH.shape, dtype=torch.float32, device=lse_TH.device)
+    return torch.nan_to_num(lse_TH.float(), nan=float("nan"), posinf=-inf, neginf=-inf, out=out)
+
+
 class _Group(NamedTuple):
     """Consecutive entries computed as one padded batch."""
 

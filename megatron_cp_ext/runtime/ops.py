@@ -124,15 +124,16 @@ def merge_partial_torch(
     by it (``lerp_``) and ``lse`` becomes ``logaddexp``. No ``[N, H, D]`` temporary is made
     (one more op and one temporary when the partial's dtype differs, for 16-bit partials).
     Unless ``acc_finite`` (the accumulator's lse holds no -inf, e.g. starts at
-    :data:`LSE_FLOOR`), a fifth op pins the weight of rows empty on both sides to 0.
+    :data:`LSE_FLOOR`), three more ops pin the weight of rows empty on both sides to 0. A NaN
+    lse on either side leaves the row NaN (as the CUDA kernel does): bad input is never hidden.
     """
     if idx_N is None:
         acc_out, acc_lse = out_THD, lse_TH
     else:
         acc_out, acc_lse = out_THD.index_select(0, idx_N), lse_TH.index_select(0, idx_N)
     w = torch.sub(part_lse_NH, acc_lse).sigmoid_()
-    if not acc_finite:
-        w.nan_to_num_(nan=0.0)  # -inf - -inf: nothing on either side, keep the accumulator
+    if not acc_finite:  # -inf - -inf: nothing on either side, keep the accumulator (a NaN stays)
+        w.masked_fill_(torch.isneginf(acc_lse).logical_and_(torch.isneginf(part_lse_NH)), 0.0)
     part = part_out_NHD if part_out_NHD.dtype == acc_out.dtype else part_out_NHD.to(acc_out.dtype)
     acc_out.lerp_(part, w.unsqueeze(-1))
     torch.logaddexp(acc_lse, part_lse_NH, out=acc_lse)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -77,3 +78,19 @@ def test_sources_found() -> None:
     """Guards the parametrization above against silently compiling nothing."""
     names = {Path(s).name for s in _BUILD.sources()}
     assert {"gather_rows.cu", "index_add_rows.cu", "merge_partial.cu", "ops.cpp"} <= names
+
+
+def test_fake_impls_live_where_the_library_says() -> None:
+    """torch checks, on the first fake-tensor trace of a csrc op (torch.compile, opcheck), that
+    its fake impl was registered from the module ``set_python_module`` names, and raises
+    otherwise: only a GPU build reaches that check, so the names are compared here. Every
+    schema defined in ``ops.cpp`` needs a fake impl in that module."""
+    text = (ROOT / "csrc" / "ops.cpp").read_text()
+    modules = re.findall(r'set_python_module\("([\w.]+)"\)', text)
+    ops = re.findall(r'm\.def\(\s*"(\w+)\(', text)
+    assert len(modules) == 1 and len(ops) >= 5, (modules, ops)
+    spec = importlib.util.find_spec(modules[0])
+    assert spec is not None and spec.origin, f"ops.cpp names {modules[0]}, which does not exist"
+    source = Path(spec.origin).read_text()
+    fakes = set(re.findall(r'register_fake\("megatron_cp_ext::(\w+)"\)', source))
+    assert set(ops) <= fakes, f"no fake impl in {modules[0]} for {sorted(set(ops) - fakes)}"

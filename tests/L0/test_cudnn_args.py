@@ -66,6 +66,7 @@ def test_contract_lse_maps_empty_rows():
     lse = ca.contract_lse(stats)
     assert lse[0, 0] == 1 and lse[1, 1] == float("-inf") and lse[0, 1] == float("-inf") and lse[2, 1] == -5
     assert lse[1, 0] == float("-inf") and torch.isnan(lse[2, 0])
+    assert lse.is_contiguous()  # what the merges' CUDA kernel takes
 
 
 # ---- the emulated kernel -------------------------------------------------------------------------

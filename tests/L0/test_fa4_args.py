@@ -167,6 +167,7 @@ def test_contract_lse_maps_infinities():
     got = fa.contract_lse(lse_HT)
     assert got.shape == (3, 2) and got[0, 0] == 1 and got[1, 0] == got[2, 0] == float("-inf")
     assert torch.isnan(got[0, 1]) and got[2, 1] == 3
+    assert got.is_contiguous() and got.dtype == torch.float32  # what the merges' CUDA kernel takes
     back = fa.kernel_lse(got)
     assert back.is_contiguous() and back.shape == (2, 3) and back[0, 2] == float("-inf")
 
@@ -202,12 +203,14 @@ def test_supports_and_pick():
     assert name != "fa4" and "cannot express" in why
 
 
-def test_refused_call_falls_back_once(emulated, monkeypatch, caplog):
-    """FA4 refusing a configuration (an assertion in its interface) sends the call, and every
-    later call of that configuration, to the fallback with one logged line."""
+@pytest.mark.parametrize("error", [AssertionError, TypeError])
+def test_refused_call_falls_back_once(emulated, monkeypatch, caplog, error):
+    """FA4 refusing a configuration (an assertion in its interface, or an installed release
+    whose interface takes other arguments) sends the call, and every later call of that
+    configuration, to the fallback with one logged line."""
 
     def refuse(*a, **kw):
-        raise AssertionError("not supported here")
+        raise error("not supported here")
 
     monkeypatch.setattr(
         fa4, "_interface", lambda: types.SimpleNamespace(_flash_attn_fwd=refuse, _flash_attn_bwd=refuse)

@@ -67,4 +67,6 @@ def test_only_the_cases_fa2_misreads_are_widened() -> None:
 def test_rows_that_see_nothing_get_minus_inf() -> None:
     inf = float("inf")
     lse_HN = torch.tensor([[inf, 1.0, -inf], [2.0, inf, 3.0]])
-    assert torch.equal(flash._lse_nh(lse_HN), torch.tensor([[-inf, 2.0], [1.0, -inf], [-inf, 3.0]]))
+    got = flash._lse_nh(lse_HN)
+    assert torch.equal(got, torch.tensor([[-inf, 2.0], [1.0, -inf], [-inf, 3.0]]))
+    assert got.is_contiguous(), "the merges' CUDA kernel takes row-major lse only"

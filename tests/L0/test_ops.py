@@ -141,6 +141,20 @@ def test_merge_partial_both_sides_empty_stays_zero() -> None:
     assert torch.isneginf(lse).all()
 
 
+@pytest.mark.parametrize("acc_finite", [False, True])
+def test_merge_partial_keeps_a_nan_row_nan(acc_finite: bool) -> None:
+    """A NaN lse on either side (NaN input in a document) makes that row's output NaN, with
+    or without the accumulator's finiteness promise, and leaves the other rows alone: the
+    CUDA kernel does the same (tests/gpu/test_ops_cuda.py)."""
+    floor = -1e30 if acc_finite else NEG_INF
+    out, lse = torch.zeros(4, 1, 2), torch.tensor([[0.5], [float("nan")], [floor], [floor]])
+    part_out, part_lse = torch.ones(4, 1, 2), torch.tensor([[float("nan")], [0.0], [NEG_INF], [1.0]])
+    ops.merge_partial(out, lse, part_out, part_lse, None, acc_finite=acc_finite)
+    assert out[:2].isnan().all() and lse[:2].isnan().all()
+    assert torch.equal(out[2:], torch.tensor([[[0.0, 0.0]], [[1.0, 1.0]]]))
+    assert lse[2, 0] == floor and lse[3, 0] == 1.0
+
+
 def test_merging_key_blocks_equals_attention_over_all_keys() -> None:
     """Online softmax: merging per-block (out, lse) in any order gives full attention."""
     g = _gen(3)

@@ -74,6 +74,8 @@ def _check(name, kern, kind, a) -> None:
         if not kern.supports(pick.call_shape(q, k, v, rest[3], rest[4], rest[5])):
             return  # the pick never sends it this call
         out, lse = kern.fwd(*a)
+        # the contract's lse: fp32 [N, H], row-major (the merges' kernel takes nothing else)
+        assert lse.dtype == torch.float32 and lse.shape == q.shape[:2] and lse.is_contiguous(), name
         ref_out, ref_lse = reference.attn_fwd(up(q), up(k), up(v), *rest)
         torch.testing.assert_close(out.float(), ref_out, atol=2e-2, rtol=0)
         seen = torch.isfinite(ref_lse)

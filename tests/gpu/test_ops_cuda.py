@@ -129,6 +129,25 @@ def test_merge_partial(part_dtype: torch.dtype, d: int, with_idx: bool) -> None:
     assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
 
 
+def test_merge_partial_nan_rows_like_the_fallback() -> None:
+    """A NaN lse on either side leaves the row NaN in the kernel as in the fallback, also the
+    schedules' ``acc_finite`` fallback (accumulators at ``LSE_FLOOR``, never -inf); rows
+    empty on both sides keep the accumulator."""
+    out, lse, part_out, part_lse = _merge_case(64, 64, 3, 128, torch.bfloat16)
+    lse[5, 1] = part_lse[9, 2] = float("nan")
+    lse[40:44] = part_lse[40:44] = NEG_INF
+    for acc_finite in (False, True):
+        acc_lse = lse.nan_to_num(nan=float("nan"), neginf=ops.LSE_FLOOR) if acc_finite else lse
+        ref_out, ref_lse = out.clone(), acc_lse.clone()
+        ops.merge_partial_torch(ref_out, ref_lse, part_out, part_lse, None, acc_finite=acc_finite)
+        got_out, got_lse = out.clone(), acc_lse.clone()
+        torch.ops.megatron_cp_ext.merge_partial_(got_out, got_lse, part_out, part_lse, None)
+        torch.testing.assert_close(got_out, ref_out, rtol=1e-6, atol=1e-6, equal_nan=True)
+        torch.testing.assert_close(got_lse, ref_lse, rtol=1e-6, atol=1e-6, equal_nan=True)
+        assert got_out[5, 1].isnan().all() and got_out[9, 2].isnan().all()
+        assert torch.equal(got_out[40:44], out[40:44])
+
+
 def test_merge_partial_into_a_row_slice() -> None:
     """The schedules merge into ``out[a:b]``: a view with a storage offset."""
     out, lse, part_out, part_lse = _merge_case(64, 63, 3, 4, torch.bfloat16)
@@ -177,3 +196,35 @@ def test_public_functions_route_to_the_kernels() -> None:
     assert ops._use_kernel(torch.zeros(3, device=DEV), torch.zeros(3, device=DEV).long())
     grad_in = torch.zeros(3, device=DEV, requires_grad=True)
     assert not ops._use_kernel(grad_in)  # the differentiable fallback keeps autograd
+
+
+@pytest.mark.parametrize("backend", ["flash", "auto"])
+def test_cp_layer_merges_take_the_kernel(monkeypatch, backend: str) -> None:
+    """A p2p layer at CP 2 merges its partials with the CUDA kernel, never the fallback: the
+    kernel takes contiguous tensors only, so a backend whose lse comes back as a transposed
+    view would send every merge of every layer to the 4-5 op fallback, silently."""
+    import megatron_cp_ext as mcx
+    from megatron_cp_ext.schedules import common
+    from megatron_cp_ext.testing.inproc import run_threads
+
+    merges, fallbacks = [], []
+    merge, torch_merge = common.merge_partial, ops.merge_partial_torch
+    monkeypatch.setattr(common, "merge_partial", lambda *a, **kw: (merges.append(1), merge(*a, **kw)))
+    monkeypatch.setattr(ops, "merge_partial_torch", lambda *a, **kw: (fallbacks.append(1), torch_merge(*a, **kw)))
+    cu = [0, 700, 1500, 3000]
+    sh = mcx.shard_sequences(cu, 2, causal=True)
+
+    def layer(rank: int, world: int) -> None:
+        import torch.distributed as dist
+
+        g = torch.Generator(device=DEV).manual_seed(rank)
+        n = sh.num_tokens(rank)
+        q, k, v = (torch.randn(n, h, 64, device=DEV, generator=g, dtype=torch.bfloat16) for h in (8, 2, 2))
+        q, k, v = (x.requires_grad_() for x in (q, k, v))
+        out = mcx.cp_attention(q, k, v, cp_group=dist.group.WORLD, comm_type="p2p", sharding=sh, backend=backend,
+                               causal=True)  # fmt: skip
+        out.backward(torch.randn_like(out))
+
+    run_threads(2, layer, device=DEV, timeout=120)
+    assert merges, "the layer merged nothing: the check would be empty"
+    assert not fallbacks, f"{len(fallbacks)} of {len(merges)} merges fell back to torch"
