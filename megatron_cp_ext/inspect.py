@@ -31,6 +31,7 @@ import torch
 from .masks import MaskSpec
 from .masks.geometry import BIG, band_count, tile_area
 from .plan import Layout, StepPlan, visible_rows
+from .runtime.validation import as_int
 from .schedules import build_plan
 from .schedules.a2a import A2APlan
 from .schedules.all_gather import GatherPlan
@@ -330,7 +331,8 @@ def inspect_plan(
     if comm_type == "a2a":
         a2a_size = cp
     elif comm_type == "a2a+p2p":
-        if a2a_size is None or not isinstance(a2a_size, int) or a2a_size < 1 or cp % a2a_size:
+        a2a_size = None if a2a_size is None else as_int(a2a_size, "a2a_size", minimum=1)
+        if a2a_size is None or cp % a2a_size:
             raise ValueError(f"a2a_size must be a positive divisor of the CP size ({cp}) for a2a+p2p, got {a2a_size}")
     dv = head_dim if v_head_dim is None else v_head_dim
     sizes = (("num_heads", num_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim), ("v_head_dim", dv))
@@ -342,6 +344,8 @@ def inspect_plan(
             f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads}), as in cp_attention"
         )
     mask = MaskSpec.make(causal=causal, window_size=window_size, chunk_size=chunk_size)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating-point torch.dtype (the inputs'), got {dtype!r}")
     es = torch.empty(0, dtype=dtype).element_size()
     chosen = range(cp) if ranks is None else list(ranks)
     if not chosen:

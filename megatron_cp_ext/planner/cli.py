@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from ..inspect import COMM_TYPES, inspect_plan
+from ..runtime.validation import CPArgumentError
 from ..sharding import batches, shard_sequences
 from .cost import LinearShape, predict
 from .profiles import PROFILES, HardwareProfile, load_profile
@@ -254,7 +255,7 @@ def _hybrid(args, cfg: dict, shapes: dict, p: argparse.ArgumentParser) -> list:
             cfg["lengths"], gpus=cp, max_seqlen_per_rank=args.hybrid_max_seqlen, comm_types=comms,
             mask=cfg["mask"], shapes=shapes, profile=cfg["profile"],
         )]  # fmt: skip
-    except ImportError as err:
+    except (ImportError, CPArgumentError) as err:
         p.error(f"argument --hybrid-max-seqlen: {err}")
 
 

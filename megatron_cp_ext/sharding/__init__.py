@@ -274,9 +274,9 @@ def rank_counts(total: int, cp_size: int, token_multiple: int = 1) -> list[int]:
     With ``q = total // m`` blocks, rank r gets ``q // cp`` blocks plus one if ``r < q % cp``; the last
     ``total % m`` tokens (only when ``total`` is not a multiple of ``m``) go to rank ``q % cp``, which
     holds one block fewer than the ranks before it. So every count is a multiple of ``m`` except that
-    one, counts differ by at most ``m``, and no rank is empty while ``total >= cp * m``.
-    """
-    return [int(c) for c in _dealt(np.asarray([total]), cp_size, token_multiple)[0]]
+    one, counts differ by at most ``m``, and no rank is empty while ``total >= cp * m``."""
+    cp, m = as_int(cp_size, "cp_size", minimum=1), as_int(token_multiple, "token_multiple", minimum=1)
+    return [int(c) for c in _dealt(np.asarray([as_int(total, "total", minimum=0)]), cp, m)[0]]
 
 
 def _shares(lens: np.ndarray, cp: int, m: int) -> np.ndarray:

@@ -118,6 +118,13 @@ def test_token_multiple_is_checked():
     for bad in (2.0, "2", True):
         with pytest.raises((mcx.CPArgumentError, TypeError), match="token_multiple"):
             mcx.shard_sequences([0, 10], 2, token_multiple=bad)
+    # rank_counts, public too, refuses what shard_sequences refuses (it truncated 10.5 to 10,
+    # returned [] for cp 0 and a negative count for a negative total)
+    for args, name in [((10.5, 4), "total"), (("10", 4), "total"), ((-1, 4), "total"), ((10, 0), "cp_size"),
+                       ((10, 4, 0), "token_multiple"), ((10, 4.0), "cp_size")]:  # fmt: skip
+        with pytest.raises((mcx.CPArgumentError, TypeError), match=name):
+            mcx.rank_counts(*args)
+    assert mcx.rank_counts(np.int64(10), 4) == [3, 3, 2, 2] and mcx.rank_counts(0, 3) == [0, 0, 0]
 
 
 def _family(seed: int, count: int):

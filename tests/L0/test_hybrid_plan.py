@@ -66,3 +66,16 @@ def test_cli_prints_and_reports_the_comparison(capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(["--lengths", "100", "--hybrid-max-seqlen", "0"])
     assert e.value.code == 2 and "--hybrid-max-seqlen" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("cp", "max_len"), [(4, 24), (6, 17), (3, 40)])
+def test_cli_refuses_a_document_that_needs_more_ranks_than_there_are(capsys, cp, max_len):
+    """100 tokens at 24 (17, 40) per rank need 8 (8, 4) ranks, a power of 2: more than cp.
+    Megatron's scheduler asserted with no word on the cause; the option is now named."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--lengths", "100,7", "--cp", str(cp), "--hybrid-max-seqlen", str(max_len), "--no-progress"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--hybrid-max-seqlen" in err and "100 tokens" in err, err
+    with pytest.raises(mcx.CPArgumentError, match="100 tokens"):
+        megatron_groups([100, 7], cp, max_len)
+    assert cli.main(["--lengths", "100,7", "--cp", "4", "--hybrid-max-seqlen", "25", "--no-progress"]) == 0

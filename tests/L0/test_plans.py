@@ -278,3 +278,19 @@ def test_a2a_p2p_staged_ring_exact_cover(mask_kw, monkeypatch):
 def test_inspect_plan_refuses_what_cp_attention_cannot_run(kw, names):
     with pytest.raises(ValueError, match=names):
         mcx.inspect_plan(mcx.shard_sequences([0, 10, 20], 2), "a2a", **kw)
+
+
+def test_inspect_plan_takes_integer_types_as_the_rest_of_the_api():
+    """``a2a_size`` as any integer (NumPy's too), never a bool; ``dtype`` a floating dtype."""
+    inspect_plan = mcx.inspect_plan
+    sh = mcx.shard_sequences([0, 100, 300], 4)
+    heads = dict(num_heads=8, num_kv_heads=2, head_dim=16)
+    numpy_size = inspect_plan(sh, "a2a+p2p", a2a_size=np.int64(2), **heads)
+    plain = inspect_plan(sh, "a2a+p2p", a2a_size=2, **heads)
+    assert [(r.work, len(r.calls)) for r in numpy_size.ranks.values()] == [
+        (r.work, len(r.calls)) for r in plain.ranks.values()
+    ]
+    for kw, name in [(dict(a2a_size=True), "a2a_size"), (dict(a2a_size=3), "a2a_size"),
+                     (dict(a2a_size=2, dtype=torch.int32), "dtype")]:  # fmt: skip
+        with pytest.raises((ValueError, TypeError), match=name):
+            inspect_plan(sh, "a2a+p2p", **{**heads, **kw})
