@@ -248,7 +248,7 @@ def _signature(c: _Call, state: dict) -> tuple[int, ...]:
         dtype=DTYPES.index(s.dtype), device=agr.device_index(s.device), hq=s.hq, hkv=s.hkv, dqk=s.dqk, dv=s.dv,
         causal=c.mask.causal, left=c.mask.left, right=c.mask.right, chunk=c.mask.chunk or 0,
         scale=agr.float_bits(c.scale), backend=("reference", "flash").index(resolved_name(c.backend)),
-        grad=c.grad, sink=c.offset is not None,
+        grad=c.grad, sink=agr.sink_field(c.offset, c.check),
         cu_crc=state["cu_crc"], total_tokens=state["total_tokens"], num_seqs=state["num_seqs"],
         seg_crc=state["seg_crc"], tokens=s.tokens, rank_tokens=c.sharding.num_tokens(g.rank), max_logit=c.max_logit,
         auto=c.auto,

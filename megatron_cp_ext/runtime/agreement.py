@@ -16,6 +16,7 @@ that rank's error — the same class and message — instead of leaving the othe
 from __future__ import annotations
 
 import struct
+import zlib
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -53,6 +54,18 @@ def signature(**fields: int) -> tuple[int, ...]:
     unknown = set(fields) - set(FIELDS)
     assert not unknown, unknown
     return tuple([_MAGIC] + [int(fields.get(f, -1)) for f in FIELDS[1:]])
+
+
+def sink_field(offset, check: bool) -> int:
+    """The ``sink`` field: 0 without ``softmax_offset``, 1 with one; in check mode 2 + a crc of
+    its values, so that ranks passing different sinks (a learned offset out of sync) are told
+    apart. Reading the values syncs with the device: check mode syncs anyway, the default
+    compares presence only."""
+    if offset is None:
+        return 0
+    if not check:
+        return 1
+    return 2 + zlib.crc32(offset.detach().to("cpu", torch.float64).numpy().tobytes())
 
 
 def float_bits(x: float) -> int:
@@ -219,7 +232,8 @@ _AGREE: list[tuple[tuple[str, ...], str, str, Callable]] = [
     (("scale",), "softmax_scale", " (resolved: None means 1/sqrt(head_dim))", _scale),
     (("backend",), "backend", " (resolved)", _name(_BACKENDS)),
     (("grad",), "requires_grad", " (whether q, k, v need gradients under grad mode)", lambda x: repr(bool(x))),
-    (("sink",), "softmax_offset", " (a tensor or None)", lambda x: "a tensor" if x else "None"),
+    (("sink",), "softmax_offset", " (a tensor or None; its values in check mode)",
+     lambda x: "None" if x == 0 else "a tensor" if x == 1 else f"a tensor with values crc {x - 2:#x}"),
     (("total_tokens", "num_seqs", "cu_crc"), "cu_seqlens", " (of the sharding)",
      lambda x: f"{x[0]} tokens in {x[1]} sequences (crc {x[2]:#x})"),
     (("seg_crc",), "sharding", " (token -> rank assignment: balance or custom segments)", lambda x: f"crc {x:#x}"),

@@ -85,6 +85,9 @@ DIVERGENT = [
     Fault("a2a_vs_p2p", dict(comm_type="a2a"), ME, "comm_type differs", (0,)),
     Fault("softmax_scale", dict(softmax_scale=0.5), ME, "softmax_scale differs", (-1,)),
     Fault("sink_one_rank", dict(sink=(4,)), ME, "softmax_offset differs", (-1,)),
+    # values (a learned sink out of sync): compared in check mode only (reading them syncs)
+    Fault("sink_values", dict(sink=torch.full((4,), 5.0, requires_grad=True)), ME, "softmax_offset differs", (-1,),
+          base=dict(sink=(4,), check=True)),
     Fault("causal", dict(causal=False), ME, "causal differs", (0,)),
     Fault("window", dict(window_size=(3, -1)), ME, "window_size differs", (-1,)),
     Fault("chunk", dict(chunk_size=4), ME, "chunk_size differs", (-1,)),
