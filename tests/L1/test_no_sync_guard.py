@@ -64,7 +64,7 @@ def _cp1(q, k, v):
 
 
 @pytest.mark.parametrize("kind", list(INJECTED))
-def test_guard_fails_on_an_injected_sync(kind, monkeypatch):
+def test_guard_fails_on_an_injected_sync(kind):
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(68, h, 8, generator=g, requires_grad=True) for h in (4, 2, 2))
     _cp1(q, k, v).sum().backward()
@@ -76,12 +76,19 @@ def test_guard_fails_on_an_injected_sync(kind, monkeypatch):
         INJECTED[kind](q_)
         return fwd(q_, *a)
 
+    real = reference.attn_fwd
     with syncguard.sync_free_kernel():
         fwd = reference.attn_fwd
-        monkeypatch.setattr(reference, "attn_fwd", with_sync)
-        with pytest.raises(syncguard.HostReadError, match="host read"), syncguard.no_host_reads():
-            _cp1(q, k, v)
+        # set and restored inside the block: a monkeypatch would record the stand-in kernel as
+        # the original and put it back at teardown, for every later test of the session
+        reference.attn_fwd = with_sync
+        try:
+            with pytest.raises(syncguard.HostReadError, match="host read"), syncguard.no_host_reads():
+                _cp1(q, k, v)
+        finally:
+            reference.attn_fwd = fwd
     assert torch.Tensor.tolist(torch.ones(1)) == [1.0]  # the methods are restored
+    assert reference.attn_fwd is real
 
 
 @pytest.mark.parametrize("causal,window", [(True, (-1, 0)), (False, (-1, -1)), (False, (3, 2)), (True, (5, 0))])
