@@ -29,12 +29,12 @@ from megatron.core.models.common.embeddings import yarn_rotary_pos_embedding as 
 from megatron.core.transformer import multi_latent_attention as _mla_module
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
-from .rope import CPRotaryEmbedding, _zigzag_positions_on
+from .rope import CPRotaryEmbedding, Fp32Frequencies, _zigzag_positions_on
 
 __all__ = ["CPMLARotaryEmbedding", "CPMLASelfAttention", "local_token_positions"]
 
 
-class CPMLARotaryEmbedding(torch.nn.Module):
+class CPMLARotaryEmbedding(Fp32Frequencies):
     """MLA's rotary table, evaluated only at the positions of this rank's tokens.
 
     ``positions`` (``[t]`` int, on the model's device) is set by :class:`CPMLASelfAttention`
@@ -45,7 +45,8 @@ class CPMLARotaryEmbedding(torch.nn.Module):
 
     def __init__(self, inv_freq: torch.Tensor, mscale: float | None) -> None:
         super().__init__()
-        # Non-persistent: follows .to()/.cuda(), stays out of checkpoints (as Megatron's).
+        # Non-persistent: follows .to()/.cuda(), stays out of checkpoints (as Megatron's); fp32
+        # through dtype casts (Fp32Frequencies).
         self.register_buffer("inv_freq", inv_freq.to(torch.float32), persistent=False)
         self.mscale = mscale
         """``None`` for ``rope_type='rope'`` (forward returns the table only)."""

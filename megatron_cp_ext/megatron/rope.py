@@ -24,7 +24,24 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 __all__ = ["CPRotaryEmbedding", "install_cp_rope", "apply_rope_at_positions", "local_rope_freqs"]
 
 
-class CPRotaryEmbedding(RotaryEmbedding):
+class Fp32Frequencies(torch.nn.Module):
+    """Keeps the ``inv_freq`` buffer fp32 through the module's dtype casts.
+
+    As a buffer it follows ``model.to(device)``; but ``Float16Module`` (Megatron's ``--bf16`` /
+    ``--fp16``) casts every buffer too, and Megatron's table builds positions in
+    ``inv_freq``'s dtype: in bf16 the positions past 256 round (257 -> 256, 1001 -> 1000) and
+    the angles lose their precision. Megatron's own ``RotaryEmbedding`` keeps a plain fp32
+    attribute, which casts never reach; here device moves apply and dtype casts do not."""
+
+    def _apply(self, fn, recurse: bool = True):
+        kept = self.inv_freq
+        super()._apply(fn, recurse)
+        if self.inv_freq.dtype != kept.dtype:
+            self.inv_freq = kept.to(self.inv_freq.device)
+        return self
+
+
+class CPRotaryEmbedding(Fp32Frequencies, RotaryEmbedding):
     """Megatron's ``RotaryEmbedding`` table, on the model's device and never CP-sliced.
 
     ``forward(max_seq_len)`` returns ``[max_seq_len, 1, 1, dim]`` for positions

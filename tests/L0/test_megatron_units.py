@@ -58,6 +58,36 @@ def test_rope_table_is_the_standard_formula_on_cpu() -> None:
     assert "inv_freq" not in rope.state_dict()  # recomputed, never checkpointed
 
 
+@pytest.mark.parametrize("cast", ["bfloat16", "half", "Float16Module"])
+def test_rope_frequencies_stay_fp32_through_casts(cast: str) -> None:
+    """``--bf16`` wraps the model in ``Float16Module``, which casts every buffer: a bf16
+    ``inv_freq`` rounded the table's positions past 256 (257 -> 256, 1001 -> 1000; angles off by
+    4 rad at 2K). The table, and MLA's angles, must stay the fp32 formula at every position,
+    and the buffer must still follow device moves."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.transformer.module import Float16Module
+
+    from megatron_cp_ext.megatron.mla import CPMLARotaryEmbedding
+
+    n = 2048
+    inv = 1.0 / (10000 ** (torch.arange(0, 8, 2, dtype=torch.float64) / 8))
+    want = torch.outer(torch.arange(n, dtype=torch.float64), inv).float()  # fp32 angles of exact positions
+    rope, mla = CPRotaryEmbedding(8), CPMLARotaryEmbedding.rope(8)
+    mega = RotaryEmbedding(8, 1.0, use_cpu_initialization=True)  # Megatron's own: a plain fp32 attribute
+    for m in (rope, mla):
+        if cast == "Float16Module":
+            Float16Module(config(bf16=True), torch.nn.Sequential(m))
+        else:
+            getattr(m, cast)()
+        assert m.inv_freq.dtype == torch.float32 == mega.inv_freq.dtype, cast
+    for moved in (CPRotaryEmbedding(8).to("meta", torch.bfloat16), CPMLARotaryEmbedding.rope(8).to("meta")):
+        assert moved.inv_freq.device.type == "meta" and moved.inv_freq.dtype == torch.float32  # moves apply
+    rope.inv_freq, mla.inv_freq = mega.inv_freq.clone(), mega.inv_freq.clone()  # the same fp32 values
+    torch.testing.assert_close(rope(n)[:, 0, 0, :4], want, rtol=1e-6, atol=0)
+    mla.positions = torch.arange(n)
+    torch.testing.assert_close(mla()[:, 0, 0, :4], want, rtol=1e-6, atol=0)
+
+
 def test_old_batch_name_points_to_the_new_one() -> None:
     with pytest.raises(ImportError, match="shard_batch_for_cp"):
         from megatron_cp_ext.megatron import get_batch_on_this_cp_rank  # noqa: F401
