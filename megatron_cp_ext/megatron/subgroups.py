@@ -25,6 +25,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ..runtime.validation import CPArgumentError
+from .context import CONTEXT_ATTR
 
 __all__ = ["call_group"]
 
@@ -56,6 +57,13 @@ def call_group(params: Any, layer_group: Any, layer_comm_group: Any, comm_type: 
     """``(cp_group, comm_type)`` for one call whose ``params`` carry their own CP group or size
     (``cp_group`` None: no CP for the call), or None when they carry none other than the
     layer's (``layer_group``; ``layer_comm_group``: what the layer itself would pass)."""
+    if not thd and getattr(params, CONTEXT_ATTR, None) is not None:
+        raise CPArgumentError(
+            f"PackedSeqParams carry a packed (THD) split (made by make_packed_seq_params / shard_batch_for_cp, or "
+            f"by an earlier qkv_format='thd' call), but qkv_format is {params.qkv_format!r}: sbhd/bshd layers split "
+            "by Megatron's dual-chunk rule and would attend with another split than the data's; keep "
+            "qkv_format='thd' for packed batches"
+        )
     local = getattr(params, "local_cp_size", None)
     group = getattr(params, "cp_group", None)
     if local is None and group is None:
