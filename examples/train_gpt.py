@@ -57,7 +57,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     demo.add_argument("--seed", type=int, default=1234)
     demo.add_argument("--json-out", default=None, help="rank 0 writes losses and timings here")
     args = parser.parse_args(argv)
+    lo, hi = args.min_doc_len, args.max_doc_len
     problem = check_cp_args(args)
+    if not problem and not (0 <= lo <= hi and hi >= 1):
+        problem = f"--min-doc-len/--max-doc-len: need 0 <= min <= max and max >= 1, got {lo}, {hi}"
     if problem:
         parser.error(problem)
     return args
@@ -133,7 +136,7 @@ def make_batch(args: argparse.Namespace, step: int, dp_rank: int) -> dict:
         docs.append(doc[:n])
         labels.append(doc[1:])
         mask = torch.ones(n)
-        mask[-1] = 0.0  # no target across a document boundary
+        mask[-1:] = 0.0  # no target across a document boundary (an empty document has none)
         masks.append(mask)
     cu = torch.tensor([0] + lengths).cumsum(0)
     if args.qkv_format == "thd":

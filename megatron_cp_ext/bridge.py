@@ -131,14 +131,9 @@ def apply_cp(
     an ``attention_backend`` that would make Bridge replace our core attention.
     """
     from .megatron.core_attention import CPAttentionOptions
-    from .recipe_checks import check_comm_type, check_hierarchical, check_one_layer_kind
+    from .recipe_checks import check_comm_type, check_cp_size, check_hierarchical, check_one_layer_kind
 
-    if (
-        isinstance(context_parallel_size, bool)
-        or not isinstance(context_parallel_size, int)
-        or context_parallel_size < 1
-    ):
-        raise ValueError(f"context_parallel_size must be a positive int, got {context_parallel_size!r}")
+    context_parallel_size = check_cp_size(context_parallel_size)
     model = config if _is_model(config) else getattr(config, "model", None)
     if not _is_model(model):
         raise TypeError(

@@ -23,7 +23,7 @@ import functools
 from collections.abc import Sequence
 from typing import Any
 
-from .recipe_checks import check_comm_type, check_hierarchical, check_one_layer_kind
+from .recipe_checks import check_comm_type, check_cp_size, check_hierarchical, check_one_layer_kind
 
 __all__ = ["FIELDS", "apply_cp"]
 
@@ -102,12 +102,7 @@ def apply_cp(
             backend=backend,
             chunk_size=chunk_size,
         )
-    if (
-        isinstance(context_parallel_size, bool)
-        or not isinstance(context_parallel_size, int)
-        or context_parallel_size < 1
-    ):
-        raise ValueError(f"context_parallel_size must be a positive int, got {context_parallel_size!r}")
+    context_parallel_size = check_cp_size(context_parallel_size)
     strategy, config = _locate(recipe)
     kinds = check_comm_type(cp_comm_type, getattr(config, "num_layers", None))
     sizes = check_hierarchical(hierarchical_sizes, context_parallel_size, kinds)

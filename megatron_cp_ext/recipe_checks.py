@@ -10,9 +10,17 @@ from __future__ import annotations
 import numbers
 from collections.abc import Sequence
 
-__all__ = ["check_comm_type", "check_hierarchical", "check_one_layer_kind"]
+__all__ = ["check_cp_size", "check_comm_type", "check_hierarchical", "check_one_layer_kind"]
 
 _COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p", "auto")  # auto: the planner picks per micro-batch
+
+
+def check_cp_size(context_parallel_size: object) -> int:
+    """The CP size as a Python int: any integer type (NumPy's too), never a bool, at least 1."""
+    ok = isinstance(context_parallel_size, numbers.Integral) and not isinstance(context_parallel_size, bool)
+    if not ok or context_parallel_size < 1:
+        raise ValueError(f"context_parallel_size must be a positive int, got {context_parallel_size!r}")
+    return int(context_parallel_size)
 
 
 def check_comm_type(cp_comm_type: str | Sequence[str], num_layers: int | None) -> str | list[str]:
@@ -60,7 +68,7 @@ def check_one_layer_kind(config: object) -> None:
     if isinstance(freq, int):  # every freq-th layer from layer 1: one kind only at 1 layer or freq 1
         mixes = freq != 1 and getattr(config, "num_layers", None) != 1
     else:
-        mixes = not isinstance(freq, list) or 0 in freq
+        mixes = not isinstance(freq, (list, tuple)) or 0 in freq
     if getattr(config, "num_moe_experts", None) and mixes:
         raise ValueError(
             f"cp_layer_spec builds one layer spec for every layer; moe_layer_freq={freq!r} mixes dense and MoE "

@@ -154,6 +154,20 @@ def test_mixed_dense_and_moe_layers_are_refused_when_applied() -> None:
         bridge.apply_cp(model, context_parallel_size=2)
     assert snapshot(model) == before
     bridge.apply_cp(make_model(num_moe_experts=4, moe_layer_freq=1), context_parallel_size=2)  # all MoE
+    bridge.apply_cp(make_model(num_moe_experts=4, moe_layer_freq=(1, 1, 1, 1)), context_parallel_size=2)  # as a list
+    with pytest.raises(ValueError, match="moe_layer_freq"):
+        bridge.apply_cp(make_model(num_moe_experts=4, moe_layer_freq=(1, 0, 1, 0)), context_parallel_size=2)
+
+
+def test_cp_size_of_any_integer_type() -> None:
+    """A CP size computed with NumPy (np.int64) is a CP size; a bool or a float is not."""
+    import numpy as np
+
+    model = bridge.apply_cp(make_model(), context_parallel_size=np.int64(2))
+    assert model.context_parallel_size == 2 and type(model.context_parallel_size) is int
+    for bad in (True, 2.0, "2"):
+        with pytest.raises(ValueError, match="positive int"):
+            bridge.apply_cp(make_model(), context_parallel_size=bad)
 
 
 def _megatron_training_container():

@@ -136,3 +136,21 @@ def test_gpt_training_workload_cut_documents_matches_cp1(tmp_path) -> None:
     ref = _train(1, tmp_path, "--context-parallel-size", "1", *data)
     losses = _train(4, tmp_path, "--context-parallel-size", "4", "--cp-comm-type", "p2p", "all_gather", *data)
     assert max(abs(a - b) for a, b in zip(losses, ref)) < 1e-4, (losses, ref)
+
+
+def test_demo_batches_with_empty_documents() -> None:
+    """``--min-doc-len 0`` draws empty documents (the package takes them): the demo's batch
+    builder indexed the last token of each (an IndexError); lengths that cannot fill a batch
+    (max 0) are refused by name."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_gpt_demo", DEMO)
+    demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo)
+    args = demo.parse_args(["--min-doc-len", "0", "--max-doc-len", "2", "--seq-length", "64"])
+    batch = demo.make_batch(args, 0, 0)
+    lens = batch["cu_seqlens"].diff().tolist()
+    assert 0 in lens and sum(lens) == 64 == batch["tokens"].shape[1] == batch["labels"].shape[1]
+    assert batch["loss_mask"].sum() == sum(n - 1 for n in lens if n)  # no target across a boundary
+    with pytest.raises(SystemExit):
+        demo.parse_args(["--min-doc-len", "0", "--max-doc-len", "0"])
