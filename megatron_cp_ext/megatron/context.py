@@ -90,6 +90,8 @@ class CPBatchContext:
     device sync; a host tensor's values are compared too."""
     values: tuple = ()
     """Their values then, on the host: a refill with the same values keeps the sharding."""
+    kv: tuple = ()
+    """``cu_seqlens_kv`` tensors other than q's, with their stamps, as last checked equal to q's."""
     layout: CPSharding | None = None
     """The split over ``cu_seqlens`` (or the padded ones) before padding became sequences of its
     own: what the data's recorded split is compared with (:mod:`megatron_cp_ext.sharding.splits`);
@@ -230,14 +232,20 @@ def _layout_cu_seqlens(params: PackedSeqParams) -> torch.Tensor:
     return params.cu_seqlens_q
 
 
-def _check_self_attention(params: PackedSeqParams) -> None:
-    """kv must describe the same packed batch as q (once per micro-batch: may copy to host)."""
-    for q_name, kv_name in (("cu_seqlens_q", "cu_seqlens_kv"), ("cu_seqlens_q_padded", "cu_seqlens_kv_padded")):
-        cu_q, cu_kv = getattr(params, q_name), getattr(params, kv_name)
-        if cu_q is None or cu_kv is None or cu_kv is cu_q:
-            continue
-        if not torch.equal(cu_kv.detach().cpu().long(), cu_q.detach().cpu().long()):
-            raise CPArgumentError(f"CP self-attention needs {kv_name} == {q_name} (the same packed batch)")
+def _checked_kv(params: PackedSeqParams, seen: tuple = ()) -> tuple:
+    """kv must describe the same packed batch as q. Returns kv's own tensors (where not q's) with
+    their stamps, checked again only when they change: a copy to host once per micro-batch."""
+    own = [
+        (getattr(params, a), getattr(params, a.replace("_q", "_kv")), a)
+        for a in ("cu_seqlens_q", "cu_seqlens_q_padded")
+    ]
+    own = [(q, kv, a) for q, kv, a in own if q is not None and kv is not None and kv is not q]
+    if len(own) == len(seen) and all(kv is t and same_stamp(kv, st) for (_, kv, _), (t, st) in zip(own, seen)):
+        return seen
+    for q, kv, a in own:
+        if not torch.equal(kv.detach().cpu().long(), q.detach().cpu().long()):
+            raise CPArgumentError(f"CP self-attention needs {a.replace('_q', '_kv')} == {a} (the same packed batch)")
+    return tuple((kv, stamp_of(kv)) for _, kv, _ in own)
 
 
 def check_split(ctx: CPBatchContext) -> None:
@@ -332,14 +340,15 @@ def cp_context(
                 f"used by a layer at CP size {cp_size} rank {cp_rank}"
             )
         check_split(ctx)
+        ctx.kv = _checked_kv(params, ctx.kv)
         return ctx
     recipe = ctx.recipe if ctx is not None else derive_recipe(params, balance)
-    _check_self_attention(params)
+    kv = _checked_kv(params)
     # One host copy per micro-batch (a sync if cu lives on the GPU); never per layer.
     stamps = tuple(stamp_of(t) for t in sources)
     cu_host = [host_cu_seqlens(t) for t in sources]
     if ctx is not None and ctx.values == tuple(map(tuple, cu_host)):  # refilled with the same values
-        ctx.source, ctx.stamps = sources, stamps
+        ctx.source, ctx.stamps, ctx.kv = sources, stamps, kv
         return cp_context(params, cp_size, cp_rank, balance, tokens)
     if ctx is not None and ctx.recipe.given:
         raise CPArgumentError(
@@ -384,7 +393,7 @@ def cp_context(
     if len(cu_host) == 2:
         sharding = separate_padding(sharding, cu_host[1], name="PackedSeqParams.cu_seqlens_q")
     ctx = CPBatchContext(sharding=sharding, rank=cp_rank, recipe=recipe, source=sources, stamps=stamps,
-                         values=tuple(map(tuple, cu_host)), layout=layout, made_by=made_by)  # fmt: skip
+                         values=tuple(map(tuple, cu_host)), layout=layout, made_by=made_by, kv=kv)  # fmt: skip
     check_split(ctx)
     setattr(params, CONTEXT_ATTR, ctx)
     return ctx

@@ -327,3 +327,40 @@ def test_thd_split_params_switched_to_sbhd_are_refused_everywhere() -> None:
     for rows in (60, 5000):
         results = run_on_ranks(2, thd_split_as_sbhd_case, rows, timeout=120)
         assert len(set(results)) == 1 and "qkv_format is 'sbhd'" in results[0], results
+
+
+def kv_case(rank: int, world: int) -> list[str]:
+    """Worker: params from make_packed_seq_params (their context cached), cu_seqlens_kv then set
+    to another packing, then to an equal copy, then refilled in place with another packing."""
+    from megatron.core import parallel_state
+
+    import megatron_cp_ext as mcx
+    from megatron_cp_ext.megatron import make_packed_seq_params
+    from megatron_cp_ext.testing.megatron import setup_parallel_state
+
+    setup_parallel_state(world)
+    block = _block(world)
+    params = make_packed_seq_params([0, 8, 48, 60], cp_group=parallel_state.get_context_parallel_group())
+    x = torch.randn(params._mcx_cp_context.sharding.num_tokens(rank), 1, HIDDEN)
+    out = []
+    for step in ("other", "copy", "refill"):
+        if step == "other":
+            params.cu_seqlens_kv = torch.tensor([0, 10, 48, 60], dtype=torch.int32)
+        elif step == "copy":
+            params.cu_seqlens_kv = params.cu_seqlens_q.clone()
+        else:
+            params.cu_seqlens_kv[1] = 9
+        try:
+            block(x, attention_mask=None, packed_seq_params=params)
+            out.append("ran")
+        except mcx.CPArgumentError as err:
+            out.append(str(err))
+    return out
+
+
+def test_cu_seqlens_kv_other_than_q_is_refused_on_a_cached_context() -> None:
+    """The refusal ran only where the context was built or rebuilt: params whose context was
+    cached (make_packed_seq_params, shard_batch_for_cp) took any cu_seqlens_kv."""
+    for other, copy, refill in run_on_ranks(2, kv_case, timeout=120):
+        assert "cu_seqlens_kv == cu_seqlens_q" in other and copy == "ran", (other, copy)
+        assert "cu_seqlens_kv == cu_seqlens_q" in refill, refill
