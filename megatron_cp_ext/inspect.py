@@ -336,9 +336,7 @@ def inspect_plan(
             raise ValueError(f"a2a_size must be a positive divisor of the CP size ({cp}) for a2a+p2p, got {a2a_size}")
     dv = head_dim if v_head_dim is None else v_head_dim
     sizes = (("num_heads", num_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim), ("v_head_dim", dv))
-    for name, val in sizes:
-        if isinstance(val, bool) or not isinstance(val, int) or val < 1:
-            raise ValueError(f"{name} must be a positive int, got {val!r}")
+    num_heads, num_kv_heads, head_dim, dv = (as_int(val, name, minimum=1) for name, val in sizes)
     if num_heads % num_kv_heads:
         raise ValueError(
             f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads}), as in cp_attention"

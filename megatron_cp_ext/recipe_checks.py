@@ -17,10 +17,9 @@ _COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p", "auto")  # auto: the plann
 
 def check_cp_size(context_parallel_size: object) -> int:
     """The CP size as a Python int: any integer type (NumPy's too), never a bool, at least 1."""
-    ok = isinstance(context_parallel_size, numbers.Integral) and not isinstance(context_parallel_size, bool)
-    if not ok or context_parallel_size < 1:
-        raise ValueError(f"context_parallel_size must be a positive int, got {context_parallel_size!r}")
-    return int(context_parallel_size)
+    from .runtime.validation import as_int  # torch-free at import, as the module promises
+
+    return as_int(context_parallel_size, "context_parallel_size", minimum=1)
 
 
 def check_comm_type(cp_comm_type: str | Sequence[str], num_layers: int | None) -> str | list[str]:

@@ -30,6 +30,7 @@ from megatron.core.transformer import multi_latent_attention as _mla_module
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
 from .rope import CPRotaryEmbedding, Fp32Frequencies, _zigzag_positions_on
+from .subgroups import check_not_packed
 
 __all__ = ["CPMLARotaryEmbedding", "CPMLASelfAttention", "local_token_positions"]
 
@@ -147,6 +148,8 @@ def local_token_positions(attention: torch.nn.Module, s_local: int, packed_seq_p
     cp_size, cp_rank = (cp.size(), cp.rank()) if cp is not None else (1, 0)
     if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
         return attention.core_attention.local_positions(packed_seq_params, s_local, device)
+    if packed_seq_params is not None:
+        check_not_packed(packed_seq_params)
     try:
         return _zigzag_positions_on(s_local, cp_size, cp_rank, torch.device(device))
     except ValueError as err:  # this rank's length alone: its CP peers wait in the layer's exchange

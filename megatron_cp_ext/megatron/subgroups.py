@@ -27,7 +27,7 @@ import torch.distributed as dist
 from ..runtime.validation import CPArgumentError
 from .context import CONTEXT_ATTR
 
-__all__ = ["call_group"]
+__all__ = ["call_group", "check_not_packed"]
 
 
 @lru_cache(maxsize=64)
@@ -53,17 +53,24 @@ def _megatron_group(size: int) -> Any:
         ) from None
 
 
-def call_group(params: Any, layer_group: Any, layer_comm_group: Any, comm_type: str, thd: bool) -> tuple | None:
-    """``(cp_group, comm_type)`` for one call whose ``params`` carry their own CP group or size
-    (``cp_group`` None: no CP for the call), or None when they carry none other than the
-    layer's (``layer_group``; ``layer_comm_group``: what the layer itself would pass)."""
-    if not thd and getattr(params, CONTEXT_ATTR, None) is not None:
+def check_not_packed(params: Any) -> None:
+    """Non-THD params must not carry the package's packed split: the sbhd path splits by
+    Megatron's dual-chunk rule and would attend with another split than the data's."""
+    if getattr(params, CONTEXT_ATTR, None) is not None:
         raise CPArgumentError(
             f"PackedSeqParams carry a packed (THD) split (made by make_packed_seq_params / shard_batch_for_cp, or "
             f"by an earlier qkv_format='thd' call), but qkv_format is {params.qkv_format!r}: sbhd/bshd layers split "
             "by Megatron's dual-chunk rule and would attend with another split than the data's; keep "
             "qkv_format='thd' for packed batches"
         )
+
+
+def call_group(params: Any, layer_group: Any, layer_comm_group: Any, comm_type: str, thd: bool) -> tuple | None:
+    """``(cp_group, comm_type)`` for one call whose ``params`` carry their own CP group or size
+    (``cp_group`` None: no CP for the call), or None when they carry none other than the
+    layer's (``layer_group``; ``layer_comm_group``: what the layer itself would pass)."""
+    if not thd:
+        check_not_packed(params)
     local = getattr(params, "local_cp_size", None)
     group = getattr(params, "cp_group", None)
     if local is None and group is None:

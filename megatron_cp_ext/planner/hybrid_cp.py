@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from functools import cache
 
 from ..inspect import inspect_plan
-from ..runtime.validation import CPArgumentError
+from ..runtime.validation import CPArgumentError, as_int
 from ..sharding import batches, shard_sequences
 from .cost import predict
 from .profiles import HardwareProfile
@@ -55,16 +55,14 @@ def megatron_groups(lengths: list[int], gpus: int, max_seqlen_per_rank: int) -> 
         from megatron.core.pipeline_parallel.hybrid_cp_schedule import BalancedCPScheduler
     except ImportError as exc:
         raise ImportError(f"hybrid CP grouping is Megatron's own scheduler: install megatron-core ({exc})") from None
-    for n in lengths:  # the scheduler asserts (with no word on which document) where one cannot fit
-        ranks = 1
-        while ranks * max_seqlen_per_rank < n:
-            ranks *= 2
-        if ranks > gpus:
-            raise CPArgumentError(
-                f"max_seqlen_per_rank {max_seqlen_per_rank}: a document of {n} tokens needs {ranks} ranks (a power "
-                f"of 2) at that many tokens per rank, more than the {gpus} there are"
-            )
+    max_seqlen_per_rank = as_int(max_seqlen_per_rank, "max_seqlen_per_rank", minimum=1)
     sched = BalancedCPScheduler(max_seqlen_per_rank, types.SimpleNamespace(size=lambda: gpus))
+    for n in lengths:  # the scheduler asserts (with no word on which document) where one cannot fit
+        if n > 0 and sched.gpus_needed(n) > gpus:
+            raise CPArgumentError(
+                f"max_seqlen_per_rank {max_seqlen_per_rank}: a document of {n} tokens needs {sched.gpus_needed(n)} "
+                f"ranks (a power of 2) at that many tokens per rank, more than the {gpus} there are"
+            )
     _, ids = sched.get_groups_and_subsamples([(i, n) for i, n in enumerate(lengths) if n > 0], None)
     return [[list(map(int, per_rank)) for per_rank in group] for group in ids]
 

@@ -124,7 +124,7 @@ def merge_partial_torch(
     by it (``lerp_``) and ``lse`` becomes ``logaddexp``. No ``[N, H, D]`` temporary is made
     (one more op and one temporary when the partial's dtype differs, for 16-bit partials).
     Unless ``acc_finite`` (the accumulator's lse holds no -inf, e.g. starts at
-    :data:`LSE_FLOOR`), three more ops pin the weight of rows empty on both sides to 0. A NaN
+    :data:`LSE_FLOOR`), four more ops pin the weight of rows empty on both sides to 0. A NaN
     lse on either side leaves the row NaN (as the CUDA kernel does): bad input is never hidden.
     """
     if idx_N is None:
@@ -186,9 +186,9 @@ def merge_partial(
     was seen yet) hold the
     softmax-normalised output and log-sum-exp over the keys merged so far. The partial result
     covers rows ``idx_N`` (all rows in order when ``None``; rows must be distinct). Rows where
-    both sides are ``-inf`` stay zero and ``-inf`` — never NaN. ``acc_finite=True`` promises
-    that ``lse_TH`` holds no ``-inf`` (accumulators started at :data:`LSE_FLOOR`), which saves
-    the fallback one op.
+    both sides are ``-inf`` stay zero and ``-inf``; a NaN lse on either side leaves the row NaN.
+    ``acc_finite=True`` promises that ``lse_TH`` holds no ``-inf`` (accumulators started at
+    :data:`LSE_FLOOR`), which saves the fallback its four-op both-empty fill.
     """
     if not HAS_CUDA_EXT or out_THD.device.type != "cuda":
         merge_partial_torch(out_THD, lse_TH, part_out_NHD, part_lse_NH, idx_N, acc_finite=acc_finite)

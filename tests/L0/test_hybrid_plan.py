@@ -79,3 +79,6 @@ def test_cli_refuses_a_document_that_needs_more_ranks_than_there_are(capsys, cp,
     with pytest.raises(mcx.CPArgumentError, match="100 tokens"):
         megatron_groups([100, 7], cp, max_len)
     assert cli.main(["--lengths", "100,7", "--cp", "4", "--hybrid-max-seqlen", "25", "--no-progress"]) == 0
+    for bad in (0, -3, 2.5):  # refused by name (0 looped forever in the fit check)
+        with pytest.raises(mcx.CPArgumentError, match="max_seqlen_per_rank"):
+            megatron_groups([100, 7], 4, bad)

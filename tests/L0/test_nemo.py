@@ -130,8 +130,8 @@ def test_recipe_stays_serialisable() -> None:
         ({"context_parallel_size": 4, "cp_comm_type": "a2a+p2p", "hierarchical_sizes": [2, 3]}, "product 4"),
         ({"context_parallel_size": 2, "cp_comm_type": "ring"}, "p2p"),
         ({"context_parallel_size": 2, "cp_comm_type": ["p2p", "a2a"]}, "4 layers"),
-        ({"context_parallel_size": 0}, "positive int"),
-        ({"context_parallel_size": True}, "positive int"),  # was written as True
+        ({"context_parallel_size": 0}, "context_parallel_size"),
+        ({"context_parallel_size": True}, "context_parallel_size"),  # was written as True
         ({"context_parallel_size": 4, "cp_comm_type": "a2a+p2p", "hierarchical_sizes": [2.7, 1.2]}, "two ints"),
         ({"context_parallel_size": 4, "cp_comm_type": "a2a+p2p", "hierarchical_sizes": "22"}, "two ints"),
     ],

@@ -281,16 +281,18 @@ def test_inspect_plan_refuses_what_cp_attention_cannot_run(kw, names):
 
 
 def test_inspect_plan_takes_integer_types_as_the_rest_of_the_api():
-    """``a2a_size`` as any integer (NumPy's too), never a bool; ``dtype`` a floating dtype."""
+    """``a2a_size`` and head counts as any integer (NumPy's too), never a bool; ``dtype`` a
+    floating dtype."""
     inspect_plan = mcx.inspect_plan
     sh = mcx.shard_sequences([0, 100, 300], 4)
     heads = dict(num_heads=8, num_kv_heads=2, head_dim=16)
-    numpy_size = inspect_plan(sh, "a2a+p2p", a2a_size=np.int64(2), **heads)
+    numpy_size = inspect_plan(sh, "a2a+p2p", a2a_size=np.int64(2), **{**heads, "num_heads": np.int64(8)})
     plain = inspect_plan(sh, "a2a+p2p", a2a_size=2, **heads)
     assert [(r.work, len(r.calls)) for r in numpy_size.ranks.values()] == [
         (r.work, len(r.calls)) for r in plain.ranks.values()
     ]
-    for kw, name in [(dict(a2a_size=True), "a2a_size"), (dict(a2a_size=3), "a2a_size"),
-                     (dict(a2a_size=2, dtype=torch.int32), "dtype")]:  # fmt: skip
+    bad = [(dict(a2a_size=True), "a2a_size"), (dict(a2a_size=3), "a2a_size"),
+           (dict(a2a_size=2, dtype=torch.int32), "dtype"), (dict(a2a_size=2, head_dim=16.0), "head_dim")]  # fmt: skip
+    for kw, name in bad:
         with pytest.raises((ValueError, TypeError), match=name):
             inspect_plan(sh, "a2a+p2p", **{**heads, **kw})

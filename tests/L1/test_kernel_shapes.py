@@ -17,7 +17,7 @@ import torch
 import megatron_cp_ext as mcx
 from megatron_cp_ext import schedules
 from megatron_cp_ext.backends import flash, reference
-from megatron_cp_ext.schedules import common, staged
+from megatron_cp_ext.schedules import all_gather, common, p2p, staged
 from megatron_cp_ext.testing import reference_kernels
 from megatron_cp_ext.testing.inproc import run_threads
 
@@ -66,9 +66,10 @@ def test_cp_path_ops_are_kernel_shaped(monkeypatch, comm: str, world: int, sched
     monkeypatch.setattr(schedules, "P2P_SCHEDULE", schedule)
     odd, seen = collections.Counter(), collections.Counter()
     _watch(monkeypatch, common, "merge_partial", lambda a: a[:5], odd, seen)
-    for module in (common, staged):
-        _watch(monkeypatch, module, "gather_rows", lambda a: a[:2], odd, seen)
-        _watch(monkeypatch, module, "index_add_rows", lambda a: a[:3], odd, seen)
+    for module in (common, staged, p2p, all_gather):  # every schedule module that imports them
+        for name, tensors in (("gather_rows", lambda a: a[:2]), ("index_add_rows", lambda a: a[:3])):
+            if hasattr(module, name):
+                _watch(monkeypatch, module, name, tensors, odd, seen)
     sharding = mcx.shard_sequences(CU, world, causal=True)
     with reference_kernels(_flash_layout_fwd(reference.attn_fwd), reference.attn_bwd):
         run_threads(world, _layer, comm, sharding, timeout=120)
@@ -76,6 +77,6 @@ def test_cp_path_ops_are_kernel_shaped(monkeypatch, comm: str, world: int, sched
         assert seen["merge_partial"], f"no merge ran: {dict(seen)}"
     assert sum(seen.values()), "nothing was checked"
     # all_gather's backward adds into dK and dV as head-dim slices of one packed buffer (which
-    # the reduce-scatter sends): its rare indexed adds stay on the fallback (see its backward)
+    # the reduce-scatter sends): its indexed adds (keys shared by calls) stay on the fallback
     odd = {k: n for k, n in odd.items() if not (comm == "all_gather" and k[0] == "index_add_rows")}
     assert not odd, f"ops the CUDA kernels cannot take (they fall back to torch): {odd}"

@@ -258,3 +258,31 @@ def no_sync_case(rank: int, world: int) -> bool:
 
 def test_mla_thd_step_has_no_host_sync() -> None:
     assert run_on_ranks(2, no_sync_case) == [True, True]
+
+
+def packed_as_sbhd_case(rank: int, world: int) -> str:
+    """Worker: an MLA block given THD-split params switched to qkv_format='sbhd'."""
+    from megatron.core import parallel_state
+
+    import megatron_cp_ext as mcx
+    from megatron_cp_ext.megatron import cp_layer_spec, make_packed_seq_params
+    from megatron_cp_ext.testing.megatron import setup_parallel_state
+
+    setup_parallel_state(world)
+    config = mla_config(world, "p2p", "rope")
+    model = _block(config, cp_layer_spec(config))
+    cu = torch.tensor([0] + THD_LENGTHS).cumsum(0)
+    params = make_packed_seq_params(cu, cp_group=parallel_state.get_context_parallel_group())
+    n = params._mcx_cp_context.sharding.num_tokens(rank)
+    params.qkv_format = "sbhd"
+    try:
+        model(torch.randn(n, 1, HIDDEN), attention_mask=None, packed_seq_params=params)
+    except mcx.CPArgumentError as err:
+        return str(err)
+    return "ran"
+
+
+def test_mla_refuses_packed_params_switched_to_sbhd() -> None:
+    """The refusal comes before MLA's own positions (the dual-chunk rule's length message)."""
+    results = run_on_ranks(2, packed_as_sbhd_case, timeout=120)
+    assert len(set(results)) == 1 and "qkv_format is 'sbhd'" in results[0], results

@@ -136,14 +136,16 @@ def test_merge_partial_nan_rows_like_the_fallback() -> None:
     out, lse, part_out, part_lse = _merge_case(64, 64, 3, 128, torch.bfloat16)
     lse[5, 1] = part_lse[9, 2] = float("nan")
     lse[40:44] = part_lse[40:44] = NEG_INF
+    lse[50, 0] = part_lse[50, 0] = float("inf")  # outside the contract (kernels write -inf): alike all the same
+    lse[51, 0], part_lse[51, 0] = NEG_INF, float("inf")
     for acc_finite in (False, True):
-        acc_lse = lse.nan_to_num(nan=float("nan"), neginf=ops.LSE_FLOOR) if acc_finite else lse
+        acc_lse = lse.nan_to_num(nan=float("nan"), posinf=float("inf"), neginf=ops.LSE_FLOOR) if acc_finite else lse
         ref_out, ref_lse = out.clone(), acc_lse.clone()
         ops.merge_partial_torch(ref_out, ref_lse, part_out, part_lse, None, acc_finite=acc_finite)
         got_out, got_lse = out.clone(), acc_lse.clone()
         torch.ops.megatron_cp_ext.merge_partial_(got_out, got_lse, part_out, part_lse, None)
-        torch.testing.assert_close(got_out, ref_out, rtol=1e-6, atol=1e-6, equal_nan=True)
-        torch.testing.assert_close(got_lse, ref_lse, rtol=1e-6, atol=1e-6, equal_nan=True)
+        torch.testing.assert_close(got_out, ref_out, rtol=0, atol=0, equal_nan=True)  # bit for bit
+        torch.testing.assert_close(got_lse, ref_lse, rtol=0, atol=0, equal_nan=True)
         assert got_out[5, 1].isnan().all() and got_out[9, 2].isnan().all()
         assert torch.equal(got_out[40:44], out[40:44])
 
