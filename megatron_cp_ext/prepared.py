@@ -47,7 +47,8 @@ class PreparedCPAttention:
         """The comm type that runs (``auto`` resolved at planning time)."""
         self.fmt, self.seq_dims, self.cp_size = c.fmt, c.seq_dims, c.sharding.cp_size
         self.tokens, self.hq, self.hkv = c.shapes.tokens, c.shapes.hq, c.shapes.hkv
-        self.has_offset = c.offset is not None
+        self.offset = _spec(c.offset)
+        """``(shape, dtype, device)`` of the planned ``softmax_offset`` (checked at planning), or None."""
         self.plan = plan
         self._a2a = isinstance(plan, a2a.A2APlan)
         self._groups, self._heads = c.groups, c.heads
@@ -72,8 +73,11 @@ class PreparedCPAttention:
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_offset: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Attention of this rank's ``q, k, v`` (the shapes, dtype and device planned for)."""
-        if (softmax_offset is not None) != self.has_offset:
-            raise CPArgumentError("softmax_offset must be passed iff it was passed to plan_cp_attention")
+        if _spec(softmax_offset) != self.offset:  # a2a slices it by head: another shape fails on some ranks only
+            raise CPArgumentError(
+                f"softmax_offset (shape, dtype, device) {_spec(softmax_offset)} differs from the planned call's "
+                f"{self.offset} (None: not passed): pass it as it was passed to plan_cp_attention"
+            )
         got = _shapes(q, k, v)
         if got != self.inputs:
             raise CPArgumentError(
@@ -96,8 +100,14 @@ class PreparedCPAttention:
         return out
 
 
+def _spec(x: object) -> tuple | None:
+    if x is None or not isinstance(x, torch.Tensor):
+        return None if x is None else (type(x).__name__,)
+    return (tuple(x.shape), x.dtype, x.device)
+
+
 def _shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
-    return tuple((tuple(x.shape), x.dtype, x.device) for x in (q, k, v))
+    return tuple(_spec(x) for x in (q, k, v))
 
 
 def _attend(p: PreparedCPAttention, q, k, v, offset) -> torch.Tensor:

@@ -87,3 +87,22 @@ def test_a_call_planned_with_grad_matches_dense_gradients():
     want = torch.autograd.grad(dense_attention(q, k, v, [0, 5, 12], causal=True), (q, k, v), dout)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "offset",
+    [None, torch.zeros(1, dtype=torch.float64), torch.zeros(4, 1, dtype=torch.float64), torch.zeros(4), [0.0] * 4],
+    ids=["missing", "one_head", "4x1", "fp32", "list"],
+)
+def test_a_call_with_another_softmax_offset_is_refused(offset):
+    """The offset is checked against the planned one: a [1] offset broadcast over every head at
+    CP 1 and p2p, and under a2a it failed on the ranks whose heads it did not reach only (the
+    others waited in the all-to-all). The planned offset itself runs, matching dense."""
+    q, k, v = _thd(8)
+    sink = torch.randn(4, dtype=torch.float64)
+    prepared = mcx.plan_cp_attention(q, k, v, cp_group=None, sharding=mcx.shard_sequences([0, 5, 12], 1),
+                                     softmax_offset=sink)  # fmt: skip
+    with pytest.raises(mcx.CPArgumentError, match="softmax_offset"):
+        prepared(q, k, v, softmax_offset=offset)
+    want = dense_attention(q, k, v, [0, 5, 12], causal=True, softmax_offset=sink)
+    torch.testing.assert_close(prepared(q, k, v, softmax_offset=sink), want, atol=1e-12, rtol=0)
