@@ -232,9 +232,10 @@ def test_per_call_cp_group_is_refused_on_every_rank() -> None:
         assert "shard_batch_for_cp" in msg and "hybrid CP" in msg, msg
 
 
-def rope_case(rank: int, world: int, rows: int) -> str:
+def rope_case(rank: int, world: int, rows: int, fmt: str = "thd") -> str:
     """Worker: a block on a batch whose longest sequence (40 tokens, held by rank 0 under TE's
-    split only in part) is longer than the RoPE table (Megatron sizes it from ``max_seqlen_q``)."""
+    split only in part) is longer than the RoPE table (Megatron sizes it from ``max_seqlen_q``);
+    ``fmt`` other than thd: the packed split's params switched to that format."""
     from megatron.core import parallel_state
 
     import megatron_cp_ext as mcx
@@ -246,6 +247,8 @@ def rope_case(rank: int, world: int, rows: int) -> str:
     cu = [0, 8, 48, 60]
     params = make_packed_seq_params(cu, cp_group=parallel_state.get_context_parallel_group())
     n = params._mcx_cp_context.sharding.num_tokens(rank)
+    if fmt != "thd":  # the packed split's params switched to another format
+        params.qkv_format, params.max_seqlen_q, params.max_seqlen_kv = fmt, rows, rows
     try:
         block(torch.randn(n, 1, HIDDEN), attention_mask=None, rotary_pos_emb=CPRotaryEmbedding(8)(rows),
               packed_seq_params=params)  # fmt: skip
@@ -299,33 +302,12 @@ def test_an_input_wrong_on_some_ranks_is_refused_everywhere(kind, world, want) -
     assert len(set(results)) == 1 and want in results[0], results
 
 
-def thd_split_as_sbhd_case(rank: int, world: int, rows: int) -> str:
-    """Worker: params carrying the package's THD split, switched to qkv_format='sbhd'."""
-    from megatron.core import parallel_state
-
-    import megatron_cp_ext as mcx
-    from megatron_cp_ext.megatron import CPRotaryEmbedding, make_packed_seq_params
-    from megatron_cp_ext.testing.megatron import setup_parallel_state
-
-    setup_parallel_state(world)
-    block = _block(world)
-    params = make_packed_seq_params([0, 8, 48, 60], cp_group=parallel_state.get_context_parallel_group())
-    n = params._mcx_cp_context.sharding.num_tokens(rank)
-    params.qkv_format, params.max_seqlen_q, params.max_seqlen_kv = "sbhd", rows, rows
-    try:
-        block(torch.randn(n, 1, HIDDEN), attention_mask=None, rotary_pos_emb=CPRotaryEmbedding(8)(rows),
-              packed_seq_params=params)  # fmt: skip
-    except mcx.CPArgumentError as err:
-        return str(err)
-    return "ran"
-
-
 def test_thd_split_params_switched_to_sbhd_are_refused_everywhere() -> None:
     """The layer would have split by Megatron's dual-chunk rule, not the data's: silently wrong
     (relative gradient error 0.78 through a GPT at CP 2) where the RoPE table was long enough,
     else refused for the table's length, which is not the cause."""
     for rows in (60, 5000):
-        results = run_on_ranks(2, thd_split_as_sbhd_case, rows, timeout=120)
+        results = run_on_ranks(2, rope_case, rows, "sbhd", timeout=120)
         assert len(set(results)) == 1 and "qkv_format is 'sbhd'" in results[0], results
 
 
