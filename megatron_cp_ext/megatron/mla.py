@@ -30,7 +30,7 @@ from megatron.core.transformer import multi_latent_attention as _mla_module
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
 from .rope import CPRotaryEmbedding, Fp32Frequencies, _zigzag_positions_on
-from .subgroups import check_not_packed
+from .subgroups import split_group
 
 __all__ = ["CPMLARotaryEmbedding", "CPMLASelfAttention", "local_token_positions"]
 
@@ -144,16 +144,14 @@ def local_token_positions(attention: torch.nn.Module, s_local: int, packed_seq_p
     """Position in its sequence of each of this rank's ``s_local`` tokens (``[s_local]`` on
     ``device``): from the micro-batch plan in THD, Megatron's dual-chunk split in sbhd. Both
     are built on the host once per micro-batch (or shape) and cached; nothing syncs."""
-    cp = attention.pg_collection.cp
-    cp_size, cp_rank = (cp.size(), cp.rank()) if cp is not None else (1, 0)
     if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
         return attention.core_attention.local_positions(packed_seq_params, s_local, device)
-    if packed_seq_params is not None:
-        check_not_packed(packed_seq_params)
+    cp = split_group(attention, packed_seq_params)  # Megatron's hybrid CP: the params' own sub-group
+    cp_size, cp_rank = (cp.size(), cp.rank()) if cp is not None else (1, 0)
     try:
         return _zigzag_positions_on(s_local, cp_size, cp_rank, torch.device(device))
     except ValueError as err:  # this rank's length alone: its CP peers wait in the layer's exchange
-        if cp_size > 1:
+        if cp is attention.pg_collection.cp and cp_size > 1:
             attention.core_attention._refuse_everywhere(err)
         raise
 

@@ -40,7 +40,7 @@ from ..recipe_checks import check_one_layer_kind
 from .core_attention import CPAttentionOptions, CPCoreAttention
 from .mla import CPMLASelfAttention, _local_seq_len
 from .rope import apply_rope_at_positions, local_rope_freqs
-from .subgroups import call_group
+from .subgroups import split_group
 
 try:  # yarn's attention scaling, as Megatron's Attention.forward applies it
     from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
@@ -90,12 +90,7 @@ class CPSelfAttention(SelfAttention):
             if rotary_pos_emb[0] is not rotary_pos_emb[1]:
                 raise ValueError("CPSelfAttention needs one RoPE table for q and k (self attention)")
             rotary_pos_emb = rotary_pos_emb[0]
-        cp = self.pg_collection.cp
-        if packed_seq_params is not None and packed_seq_params.qkv_format != "thd":
-            # Megatron's hybrid CP: the sub-sample was split over the CP group its params carry
-            core = self.core_attention
-            sub = call_group(packed_seq_params, core.cp_group, core.comm_group, core.cp_comm_type, thd=False)
-            cp = sub[0] if sub is not None else cp
+        cp = split_group(self, packed_seq_params)  # Megatron's hybrid CP: the params' own sub-group
         cp_size, cp_rank = (cp.size(), cp.rank()) if cp is not None else (1, 0)
         positions = None
         s_local = _local_seq_len(self, hidden_states)

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from ..runtime.validation import CPArgumentError
 from .context import CONTEXT_ATTR
 
-__all__ = ["call_group", "check_not_packed"]
+__all__ = ["call_group", "check_not_packed", "split_group"]
 
 
 @lru_cache(maxsize=64)
@@ -118,3 +118,15 @@ def call_group(params: Any, layer_group: Any, layer_comm_group: Any, comm_type: 
             "hybrid_context_parallel"
         )
     return group, comm_type
+
+
+def split_group(attention: Any, params: Any) -> Any:
+    """The CP group a self-attention's tokens were split over for this call: the params' own
+    sub-group (Megatron's hybrid CP: sbhd sub-samples, dual-chunk over that group), else the
+    layer's CP group. What RoPE takes its ranks' positions from (GPT and MLA alike)."""
+    cp = attention.pg_collection.cp
+    if params is not None and params.qkv_format != "thd":
+        core = attention.core_attention
+        sub = call_group(params, core.cp_group, core.comm_group, core.cp_comm_type, thd=False)
+        cp = sub[0] if sub is not None else cp
+    return cp
