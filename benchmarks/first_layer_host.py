@@ -1,8 +1,8 @@
 """Host work inside the ``p2p`` ring (forward + backward) of layer 1 against layers 2 and 3.
 
 Runs CPU ranks (gloo) with the flash-shaped kernel stub, 16/4 heads, d 64, fp32, dualchunk,
-the batch of ``memory_launches.py``. ``p2p.forward`` and ``p2p._backward`` are wrapped in
-cProfile, so only the schedule is counted: layer 1's plan is built by the same
+the batch of ``memory_launches.py``. The ring's and the staged schedule's forward and
+backward are wrapped in cProfile, so only the schedule is counted: layer 1's plan is built by the same
 ``cp_attention`` call before the schedule starts. Per layer, max over ranks: numpy calls,
 ``torch.from_numpy`` / ``Tensor.to`` calls (uploads, or casts), all profiled Python/C calls,
 and the schedule's thread CPU ms (noisy; the counts are exact).
@@ -22,7 +22,7 @@ import torch.distributed as dist
 from memory_launches import _seqlens
 
 import megatron_cp_ext as mcx
-from megatron_cp_ext.schedules import p2p
+from megatron_cp_ext.schedules import p2p, staged
 from megatron_cp_ext.testing.accounting import flash_stub
 from megatron_cp_ext.testing.spawn import spawn_ranks
 
@@ -48,17 +48,25 @@ def _worker(rank: int, world: int, args) -> None:
 
     def wrap(fn):
         def inner(*a, **kw):
+            if state["depth"]:  # a schedule calling another (a2a+p2p's ring): counted once
+                return fn(*a, **kw)
             t0 = time.thread_time()
+            state["depth"] += 1
             state["prof"].enable()
             try:
                 return fn(*a, **kw)
             finally:
                 state["prof"].disable()
+                state["depth"] -= 1
                 state["cpu"] += time.thread_time() - t0
 
         return inner
 
+    # the ring and its staged form (the default where every rank receives at most two blocks)
     p2p.forward, p2p._backward = wrap(p2p.forward), wrap(p2p._backward)
+    staged.forward, staged.backward = wrap(staged.forward), wrap(staged.backward)
+    staged.backward_packed = wrap(staged.backward_packed)
+    state["depth"] = 0
     rows = []
     with flash_stub():
         for _ in range(3):

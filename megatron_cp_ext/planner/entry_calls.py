@@ -172,7 +172,7 @@ def _fuse_rows(buf, q0, q1, k0, k1, by_q: bool):
     head = starts([buf, a0, a1])
     head[1:] |= b0[1:] != b1[:-1]
     first = np.nonzero(head)[0]
-    last = np.append(first[1:], len(buf)) - 1
+    last = np.append(first[1:], len(buf))[: len(first)] - 1  # no runs: none
     out = buf[first], a0[first], a1[first], b0[first], b1[last]
     return out if by_q else (out[0], out[3], out[4], out[1], out[2])
 
@@ -180,7 +180,7 @@ def _fuse_rows(buf, q0, q1, k0, k1, by_q: bool):
 def starts(cols: list[np.ndarray]) -> np.ndarray:
     """Start flags of runs of equal rows of ``cols`` (sorted)."""
     flag = np.zeros(len(cols[0]), bool)
-    flag[0] = True
+    flag[:1] = True  # no rows: no runs
     for c in cols:
         flag[1:] |= c[1:] != c[:-1]
     return flag

@@ -336,7 +336,7 @@ def _unions(seg: np.ndarray, group: np.ndarray) -> tuple[np.ndarray, np.ndarray]
     head = np.ones(len(seg), bool)
     head[1:] = (group[1:] != group[:-1]) | (seg[1:, 0] != seg[:-1, 0]) | (seg[1:, 1] != seg[:-1, 2])
     first = np.nonzero(head)[0]
-    last = np.append(first[1:], len(seg)) - 1
+    last = np.append(first[1:], len(seg))[: len(first)] - 1  # no segments: none
     return np.stack([seg[first, 0], seg[first, 1], seg[last, 2]], axis=1), group[first]
 
 

@@ -84,3 +84,15 @@ def test_merged_chains_price_like_the_full_model(seed, monkeypatch):
     assert any(len(c.units) for c in merged)  # chains were merged
     _, full = auto.choose_comm_type(sharding, mask, exact=True, **kw)
     assert all(abs(est[ct] / full[ct] - 1) < 1e-9 for ct in CANDIDATES), (est, full)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_a_batch_of_empty_documents_is_priced(cp):
+    """Every document empty (0 tokens): the fast estimate (a flash profile, CUDA's default)
+    indexed the first of no rows (an IndexError on every rank); ``auto`` must still choose."""
+    sh = mcx.shard_sequences(torch.tensor([0, 0, 0], dtype=torch.int32), cp, causal=True)
+    kw = dict(num_heads=4, num_kv_heads=4, head_dim=8, v_head_dim=8, dtype=torch.bfloat16)
+    for cands, a in ((("p2p", "all_gather", "a2a"), 1), (("a2a+p2p",), 2)):
+        choice, times = auto.choose_comm_type(sh, MaskSpec.make(causal=True), candidates=cands,
+                                              profile=load_profile("h100"), a2a_size=a, **kw)  # fmt: skip
+        assert choice in cands and set(times) == set(cands) and all(np.isfinite(list(times.values())))
