@@ -19,7 +19,9 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = ["attn_fwd", "attn_bwd", "max_logit"]
 
@@ -85,17 +87,33 @@ def visited_area(cu_seqlens_q: list[int], cu_seqlens_k: list[int]) -> int:
     return sum((b - a) * wq * wk for a, b, wq, wk in _group_bounds(cu_seqlens_q, cu_seqlens_k))
 
 
-def _entry_groups(cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, max_k: int) -> list[_Group]:
+def _entry_groups(cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, max_k: int, entries=None) -> list[_Group]:
     """Runs of consecutive entries sharing one padded batch (:func:`_group_bounds`).
 
-    Needs host offsets: on CUDA (debug fallback), and while dynamo traces the call
-    (``fullgraph``: the offsets are graph inputs, their values unknown), the call is one group
-    padded to the plan's ``max_seqlen`` (host ints), so nothing reads a tensor's value.
+    Needs host offsets: the call's host ``entries`` (``[E, 4]`` rows of a
+    :class:`~..plan.calls.VarlenCall`) where given, the groups' offsets then uploaded once per
+    call object (:data:`_CALL_GROUPS`); else read from ``cu_q``/``cu_k`` on CPU. On a device
+    without ``entries`` (a debug fallback), and while dynamo traces the call (``fullgraph``:
+    the offsets are graph inputs, their values unknown), the call is one group padded to the
+    plan's ``max_seqlen`` (host ints), so nothing reads a tensor's value.
     """
-    if cu_q.device.type != "cpu" or torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or (cu_q.device.type != "cpu" and entries is None):
         return [_Group(0, None, 0, None, cu_q.long(), cu_k.long(), max_q, max_k)]
-    cq, ck = cu_q.tolist(), cu_k.tolist()
-    return [_group(cq, ck, a, b, wq, wk) for a, b, wq, wk in _group_bounds(cq, ck)]
+    if entries is None:
+        cq, ck = cu_q.tolist(), cu_k.tolist()
+        return [_group(cq, ck, a, b, wq, wk) for a, b, wq, wk in _group_bounds(cq, ck)]
+    cached = _CALL_GROUPS.get(cu_q)
+    if cached is None or cached[0] is not entries:
+        cq, ck = ([0, *np.cumsum(entries[:, hi] - entries[:, lo]).tolist()] for lo, hi in ((0, 1), (2, 3)))
+        groups = [_group(cq, ck, a, b, wq, wk) for a, b, wq, wk in _group_bounds(cq, ck)]
+        move = lambda t: t.to(cu_q.device, non_blocking=True)  # noqa: E731
+        cached = _CALL_GROUPS[cu_q] = (entries, [g._replace(cu_q=move(g.cu_q), cu_k=move(g.cu_k)) for g in groups])
+    return cached[1]
+
+
+_CALL_GROUPS = WeakIdKeyDictionary()
+"""A call's groups (:func:`_entry_groups`) by its ``cu_seqlens_q`` tensor, which lives
+as long as the plan's device calls: a layer's calls after the first upload nothing."""
 
 
 def _group(cq: list[int], ck: list[int], a: int, b: int, wq: int, wk: int) -> _Group:
@@ -232,34 +250,48 @@ def attn_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
 
 
 MAX_LOGIT_TILE = 1024
-"""Query rows x key rows of one score tile in :func:`max_logit`: bounds its memory to
-``entries x heads x TILE^2`` scores whatever the call's length (on CUDA a call is one group
-padded to the plan's ``max_seqlen``, which may be long)."""
+"""Query rows x key rows of one score tile in :func:`max_logit`."""
+
+MAX_LOGIT_SCORES = 1 << 26
+"""Scores (fp32) of one tile in :func:`max_logit` at most, over its entries and heads: tiles
+span as many of a group's entries as fit (one at least), so memory stays bounded whatever the
+number and lengths of the entries."""
 
 
-def max_logit(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, scale) -> torch.Tensor:
+def max_logit(
+    q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, scale, entries=None
+) -> torch.Tensor:
     """Per query head, the largest scaled logit ``scale * q.k`` over the pairs this call sees.
 
     ``q [N,H,D], k [M,K,D] -> [H]`` float32; ``-inf`` for a head that sees no pair. Computed
     exactly from the scores (the same visibility as :func:`attn_fwd`), never from the lse,
-    which only bounds it; in tiles of :data:`MAX_LOGIT_TILE` rows and keys, whose count is
-    known on the host (no sync). Only runs when a caller asks for max logits.
+    which only bounds it. Entries are padded in groups of similar lengths (the call's host
+    ``entries`` give them on a device; :func:`_entry_groups`), so the padded rows stay within
+    about twice the call's own, and scores are made in tiles of :data:`MAX_LOGIT_TILE` rows
+    and keys over at most :data:`MAX_LOGIT_SCORES` scores, all counted on the host (no sync).
+    Only runs when a caller asks for max logits.
     """
     _check(q, k, k, causal, window)
     ct, hk = _compute_dtype(q), k.shape[1]
     best = q.new_full((q.shape[1],), float("-inf"), dtype=torch.float32)
     t = MAX_LOGIT_TILE
-    for grp in _entry_groups(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    for grp in _entry_groups(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, entries):
         cu_q, cu_k = grp.cu_q.to(q.device), grp.cu_k.to(q.device)
         qp = _pad(_rows_of(q, grp, False).to(ct), cu_q, grp.wq).unflatten(2, (hk, -1))  # [E, Wq, K, G, D]
         kp = _pad(_rows_of(k, grp, True).to(ct), cu_k, grp.wk)  # [E, Wk, K, D]
-        for i0 in range(0, grp.wq, t):
-            for j0 in range(0, grp.wk, t):
-                qt, kt = qp[:, i0 : i0 + t] * scale, kp[:, j0 : j0 + t]
-                s = torch.einsum("eikgd,ejkd->ekgij", qt, kt)
-                vis = _tile_visibility(cu_q, cu_k, (i0, i0 + qt.shape[1]), (j0, j0 + kt.shape[1]), causal, window)
-                s = torch.where(vis[:, None, None], s, float("-inf"))
-                best = torch.maximum(best, s.amax(dim=(0, 3, 4)).flatten().float())
+        n_e = cu_q.numel() - 1
+        per_entry = q.shape[1] * min(grp.wq, t) * min(grp.wk, t)
+        step = max(1, MAX_LOGIT_SCORES // max(per_entry, 1))
+        for e0 in range(0, n_e, step):
+            e1 = min(n_e, e0 + step)
+            cq, ck = cu_q[e0 : e1 + 1], cu_k[e0 : e1 + 1]
+            for i0 in range(0, grp.wq, t):
+                for j0 in range(0, grp.wk, t):
+                    qt, kt = qp[e0:e1, i0 : i0 + t] * scale, kp[e0:e1, j0 : j0 + t]
+                    s = torch.einsum("eikgd,ejkd->ekgij", qt, kt)
+                    vis = _tile_visibility(cq, ck, (i0, i0 + qt.shape[1]), (j0, j0 + kt.shape[1]), causal, window)
+                    s.masked_fill_(~vis[:, None, None], float("-inf"))
+                    best = torch.maximum(best, s.amax(dim=(0, 3, 4)).flatten().float())
     return best
 
 

@@ -152,12 +152,16 @@ def backward(run: Run, dout, q, k, v, out, lse) -> tuple[torch.Tensor, torch.Ten
         into = KV(KeptRows(dkv_all[..., : run.dk], keep), KeptRows(dkv_all[..., run.dk :], keep))
         step_backward(calls, run, (dout, q, out, lse), kv_all, dq, into)
         del kv_all, into
-    else:
-        dkv_kept = torch.zeros(kv_all.packed.shape, dtype=acc_dtype(q), device=q.device)
-        step_backward(calls, run, (dout, q, out, lse), kv_all, dq, KV.of(dkv_kept, run.dk))
+    else:  # dK, then dV, in one zero-filled buffer: each contiguous, so indexed adds take the kernel
+        rows, heads, dkv = kv_all.packed.shape
+        flat = torch.zeros(rows * heads * dkv, dtype=acc_dtype(q), device=q.device)
+        dk_kept = flat[: rows * heads * run.dk].view(rows, heads, run.dk)
+        dv_kept = flat[rows * heads * run.dk :].view(rows, heads, dkv - run.dk)
+        step_backward(calls, run, (dout, q, out, lse), kv_all, dq, KV(dk_kept, dv_kept))
         del kv_all  # the kept KV: freed before the reduce-scatter allocates
-        dkv_all = dkv_kept.new_zeros((size * run.plan.pad, *dkv_kept.shape[1:]))
-        dkv_all.index_copy_(0, keep, dkv_kept)  # kept rows are distinct
-        del dkv_kept
+        dkv_all = flat.new_zeros((size * run.plan.pad, heads, dkv))
+        dkv_all[..., : run.dk].index_copy_(0, keep, dk_kept)  # kept rows are distinct
+        dkv_all[..., run.dk :].index_copy_(0, keep, dv_kept)
+        del flat, dk_kept, dv_kept
     dkv = reduce_scatter_padded(dkv_all, run.group)[: k.shape[0]]
     return dq.result(), dkv[..., : run.dk], dkv[..., run.dk :]  # accumulator dtype: the caller rounds once

@@ -312,7 +312,7 @@ def step_forward(
         if run.max_logit is not None:
             m = run.backend.max_logit(
                 q_c, k_c, c.cu_seqlens_q, c.cu_seqlens_k, c.max_seqlen_q, c.max_seqlen_k,
-                c.causal, c.window, run.scale,
+                c.causal, c.window, run.scale, c.entries,
             )  # fmt: skip
             torch.maximum(run.max_logit, m, out=run.max_logit)
         del q_c, k_c, v_c  # gathered rows: freed before the merge gathers its own
