@@ -145,13 +145,35 @@ class Batch(list):
         """The batch's id in an installed :class:`.inflight.Ledger`."""
 
 
+FLAT_COLLECTIVES: bool | None = None
+"""Whether :func:`all_gather_padded` and :func:`reduce_scatter_padded` run the single-tensor
+collectives (``all_gather_into_tensor``, ``reduce_scatter_tensor``): None (the default) on
+CUDA tensors, where NCCL given a list of output (input) blocks stages them through a flat
+buffer of its own (one more gathered-KV-sized buffer alive and a copy); the list forms on CPU,
+whose gloo sums are the ones the in-process test runner reproduces bit for bit. True or
+False forces either (tests)."""
+
+
+def _flat(x: torch.Tensor) -> bool:
+    if torch.compiler.is_compiling():  # traced: the forms dynamo has always rewritten
+        return False
+    return x.is_cuda if FLAT_COLLECTIVES is None else FLAT_COLLECTIVES
+
+
+def _single(name: str, old: str):
+    """The single-tensor collective: torch's newer name where it has one, else the older."""
+    return getattr(dist, name, None) or getattr(dist, old)
+
+
 def all_gather_padded(x: torch.Tensor, pad_rows: int, group: dist.ProcessGroup) -> torch.Tensor:
     """``[t, ...]`` per rank -> ``[size * pad_rows, ...]``: rank j's rows start at ``j * pad_rows``."""
     size = dist.get_world_size(group)
     if x.shape[0] < pad_rows:
         x = torch.cat([x, x.new_zeros((pad_rows - x.shape[0], *x.shape[1:]))])
     out = x.new_empty((size * pad_rows, *x.shape[1:]))
-    if pad_rows:
+    if pad_rows and _flat(x):
+        _single("all_gather_single", "all_gather_into_tensor")(out, x.contiguous(), group=group)
+    elif pad_rows:
         dist.all_gather(list(out.chunk(size)), x.contiguous(), group=group)
     return out
 
@@ -163,7 +185,9 @@ def reduce_scatter_padded(full: torch.Tensor, group: dist.ProcessGroup) -> torch
     size = dist.get_world_size(group)
     chunks = list(full.chunk(size))
     out = torch.empty_like(chunks[0])
-    if out.numel():
+    if out.numel() and _flat(full):
+        _single("reduce_scatter_single", "reduce_scatter_tensor")(out, full.contiguous(), group=group)
+    elif out.numel():
         dist.reduce_scatter(out, chunks, group=group)
     return out
 

@@ -88,7 +88,7 @@ def copy_streamed(buf: torch.Tensor, t: torch.Tensor, rwork: StreamWork, swork: 
 COLLECTIVES = (
     "all_to_all_single", "alltoall", "allreduce", "allreduce_coalesced", "allgather", "all_gather_single",
     "all_gather_single_coalesced", "broadcast", "scatter", "gather", "reduce_scatter", "reduce_scatter_single",
-    "reduce_scatter_single_coalesced", "barrier",
+    "reduce_scatter_single_coalesced", "barrier", "_allgather_base", "_reduce_scatter_base",
 )  # fmt: skip
 
 
