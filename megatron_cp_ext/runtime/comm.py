@@ -46,6 +46,28 @@ class Message(NamedTuple):
     both sides keep by listing the streams in the same order)."""
 
 
+_STARTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""Groups whose communicator :func:`_start` has made (weakly held)."""
+
+START_BACKENDS = ("nccl",)
+"""Backends whose communicator a group's first operation creates, all its ranks together."""
+
+
+def _start(group: dist.ProcessGroup) -> None:
+    """One tiny all-reduce over ``group``, before its first batch of sends and receives.
+
+    NCCL creates a group's communicator at the group's first operation, and a batch of sends
+    and receives may be that first operation only if every rank of the group takes part in it
+    (torch's note on ``batch_isend_irecv``). A ring step posts nothing on a rank with nothing
+    to move, so such a first batch could wait forever on the others. Every rank of a group
+    builds its :class:`Peers` at the same point of a layer, so all of them run this once, there."""
+    if dist.get_backend(group) in START_BACKENDS:
+        nccl = dist.get_backend(group) == "nccl"
+        device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        dist.all_reduce(torch.zeros(1, device=device), group=group)
+    _STARTED[group] = True
+
+
 class Peers:
     """Batched asynchronous sends and receives to any peers of a process group.
 
@@ -60,6 +82,8 @@ class Peers:
     def __init__(self, group: dist.ProcessGroup, tag: int = 0) -> None:
         self.group = group
         self.tag = tag
+        if group not in _STARTED:
+            _start(group)
         self._global = global_ranks(group)
         self._direct: dict[str, bool] = {}
         """Per device type: whether sends and receives go straight to the process group."""
