@@ -1,13 +1,12 @@
 """``cp_attention``: validate, agree across ranks, look up (or build once) the plan, dispatch.
 
-Every argument is checked here (:mod:`.validation`) before any collective runs. What only
-one rank can see (its token count, dtype, heads, scale, sharding, whether it will run a
-backward, ...) goes into a signature that all CP ranks compare in one small exchange
-(:mod:`.agreement`) whenever a rank's signature is new — the first call of a micro-batch —
-or on every call with ``check=True``; any disagreement, and any rank's own argument error,
-is raised as the same error on every rank instead of a hang in a collective. Plans live on
-the sharding and are reused by every layer and by the backward: the hot path does no host
-work beyond validating the arguments, building the signature and two lookups (tens of µs).
+Every argument is checked here (:mod:`.validation`) before any collective runs. What only one
+rank can see (token count, dtype, heads, scale, sharding, whether it runs a backward, ...) goes
+into a signature all CP ranks compare in one small exchange (:mod:`.agreement`) when a rank's
+signature is new (a micro-batch's first call) or, with ``check=True``, on every call; any
+disagreement or argument error is raised as the same error on every rank, never a hang in a
+collective. Plans live on the sharding, reused by every layer and the backward: the hot path
+does no host work beyond validating, building the signature and two lookups (tens of µs).
 """
 
 from __future__ import annotations
@@ -26,6 +25,7 @@ from .backends import BACKENDS, get_backend
 from .backends import backend_name as resolved_name
 from .masks import MaskSpec
 from .runtime import agreement as agr
+from .runtime.autocast import autocast_off
 from .runtime.groups import CPGroups, GroupInfo, checked_rank, cp_groups, ranks_crc
 from .runtime.validation import (
     DTYPES,
@@ -74,6 +74,7 @@ class _CPAttention(torch.autograd.Function):
 
     @staticmethod
     @first_order  # create_graph=True gives gradients whose second derivative raises
+    @autocast_off
     def backward(ctx, dout: torch.Tensor):
         q, k, v, out, lse, offset = ctx.saved_tensors
         dout = dout.contiguous()
@@ -354,6 +355,7 @@ def cp_attention(
 
 
 @torch.compiler.disable(reason="host side: validation, cross-rank agreement, plan lookup, collectives")
+@autocast_off
 def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: dict):
     """Everything behind :func:`cp_attention`, run eagerly under ``torch.compile``.
 
@@ -379,9 +381,7 @@ def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: dict):
         # the compiled code after the call then treats the token count as dynamic from the
         # first micro-batch instead of recompiling on the second (a no-op outside compile)
         torch._dynamo.maybe_mark_dynamic(out, 0)
-    if not c.max_logit:
-        return out
-    return out, reduce_max_logit(max_logit, c.groups, c.shapes.hq, heads)
+    return (out, reduce_max_logit(max_logit, c.groups, c.shapes.hq, heads)) if c.max_logit else out
 
 
 def _max_logit_accumulator(c: _Call, plan) -> tuple[torch.Tensor, tuple[int, int] | None]:
@@ -395,5 +395,4 @@ def _dispatch(c: _Call, plan, max_logit: torch.Tensor | None = None) -> torch.Te
     run = Run(plan=plan, group=c.groups.p2p, backend=c.backend, scale=c.scale, dk=c.shapes.dqk, max_logit=max_logit)
     if isinstance(plan, a2a.A2APlan):
         return a2a.attention(c.q, c.k, c.v, run, c.groups.a2a, c.groups.p2p, c.heads, c.offset)
-    schedule = schedule_of(plan)
-    return _CPAttention.apply(c.q, c.k, c.v, c.offset, run, schedule)
+    return _CPAttention.apply(c.q, c.k, c.v, c.offset, run, schedule_of(plan))

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from . import attention as att
+from .runtime.autocast import autocast_off
 from .runtime.validation import CPArgumentError, CPArgumentTypeError, as_bool
 from .schedules import a2a, prepare_plan, schedule_of
 from .schedules.common import Run
@@ -110,6 +111,7 @@ def _shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
     return tuple(_spec(x) for x in (q, k, v))
 
 
+@autocast_off
 def _attend(p: PreparedCPAttention, q, k, v, offset) -> torch.Tensor:
     """The schedule on the prepared plan: tensor ops and collectives only."""
     if p._a2a:

@@ -23,6 +23,8 @@ import numpy as np
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from ..runtime.autocast import autocast_off
+
 __all__ = ["attn_fwd", "attn_bwd", "max_logit"]
 
 
@@ -202,6 +204,7 @@ def _unheads(xh: torch.Tensor, g: int, cu: torch.Tensor, rows: int) -> torch.Ten
     return _unpad(xp, cu, rows)
 
 
+@autocast_off
 def attn_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, scale):
     """``q [N,H,D], k [M,K,D], v [M,K,Dv] -> (out [N,H,Dv] in q.dtype, lse [N,H] fp32/fp64)``."""
     _check(q, k, v, causal, window)
@@ -219,6 +222,7 @@ def attn_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ca
     return torch.cat(outs), torch.cat(lses)
 
 
+@autocast_off
 def attn_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, scale):
     """Gradients of :func:`attn_fwd` given the *final* (merged) ``out`` and ``lse [N,H]``.
 
@@ -258,6 +262,7 @@ span as many of a group's entries as fit (one at least), so memory stays bounded
 number and lengths of the entries."""
 
 
+@autocast_off
 def max_logit(
     q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, scale, entries=None
 ) -> torch.Tensor:

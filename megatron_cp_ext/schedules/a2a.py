@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from ..masks import MaskSpec
+from ..runtime.autocast import autocast_off
 from ..runtime.ops import LSE_FLOOR
 from ..sharding import CPSharding
 from . import a2a_groups, p2p, staged
@@ -191,6 +192,7 @@ class _A2AAttention(torch.autograd.Function):
 
     @staticmethod
     @first_order
+    @autocast_off
     def backward(ctx, dout):
         plan, group, dk = ctx.run.plan, ctx.group, ctx.dk
         (q_parts, kv_parts), me = ctx.heads, plan.member
