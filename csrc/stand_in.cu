@@ -5,7 +5,8 @@
 // x_l = round((delta - dout_k * x_k) / dout_l), so sum_d dout_d * x_d carries delta to about
 // twice the 16-bit precision. The torch form takes an abs, two argmax passes, a gather, a
 // zero fill and a scatter: six passes over the row. Here one warp owns one row: one read of
-// dout, one write of x. The choice of k and l, and every rounding, is the torch form's:
+// dout, one write of x. (A row whose delta / dout_k overflows the 16-bit type spreads the
+// term over every entry, below.) The choice of k and l, and every rounding, is the torch form's:
 // the largest magnitude first, NaN above every number, the lower index on ties; IEEE
 // division and products with no contraction into an fma; round-to-nearest-even to 16 bits.
 // So the result is the fallback's to the bit (tests/gpu/test_ops_compile.py).
@@ -78,15 +79,40 @@ __global__ void stand_in_kernel(
     float at2 = widen(x[top.i2]);
     at1 += at1 == 0.0f ? 1.0f : 0.0f;  // the torch form's `at += at == 0`
     at2 += at2 == 0.0f ? 1.0f : 0.0f;
-    const float dl = delta[row];
-    T hi, lo;
-    narrow(__fdiv_rn(dl, at1), &hi);
-    const float rest = __fsub_rn(dl, __fmul_rn(at1, widen(hi)));
+    float part = delta[row];
+    T hi, lo, share;
+    narrow(__fdiv_rn(part, at1), &hi);
+    narrow(0.0f, &share);
+    // Uniform across the warp (every lane holds the row's top two and delta): delta / dout_k
+    // overflows the 16-bit type (fp16 outputs whose magnitudes sum past 65504). Every other
+    // entry then carries sign(dout_c) * share, share = round(delta / sum |dout|) (at most the
+    // row's largest |out|), and the top two what that misses. The torch form sums
+    // sum_{c not top} |dout_c| in another order: these rows match it to rounding, not the bit.
+    const bool spread = isinf(widen(hi)) && isfinite(part);
+    if (spread) {
+      float s_rest = 0.0f;
+      for (int64_t c = lane; c < d; c += kWarp) {
+        if (c != top.i1 && c != top.i2) s_rest = __fadd_rn(s_rest, fabsf(widen(x[c])));
+      }
+#pragma unroll
+      for (int off = kWarp / 2; off > 0; off /= 2) s_rest = __fadd_rn(s_rest, __shfl_xor_sync(0xffffffffu, s_rest, off));
+      narrow(__fdiv_rn(part, __fadd_rn(s_rest, __fadd_rn(fabsf(at1), fabsf(at2)))), &share);
+      part = __fsub_rn(part, __fmul_rn(widen(share), s_rest));
+      narrow(__fdiv_rn(part, at1), &hi);
+    }
+    const float rest = __fsub_rn(part, __fmul_rn(at1, widen(hi)));
     narrow(__fdiv_rn(rest, at2), &lo);
     T zero;
     narrow(0.0f, &zero);
     T* y = out + row * d;
-    for (int64_t c = lane; c < d; c += kWarp) y[c] = c == top.i1 ? hi : (c == top.i2 ? lo : zero);
+    for (int64_t c = lane; c < d; c += kWarp) {
+      T other = zero;
+      if (spread) {
+        const float v = widen(x[c]);
+        narrow(__fmul_rn(v > 0.0f ? 1.0f : (v < 0.0f ? -1.0f : 0.0f), widen(share)), &other);
+      }
+      y[c] = c == top.i1 ? hi : (c == top.i2 ? lo : other);
+    }
   }
 }
 

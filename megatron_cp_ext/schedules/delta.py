@@ -117,9 +117,26 @@ def stand_in_torch(dout: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     at = dout.gather(-1, top).to(delta.dtype)
     at += at == 0
     hi = (delta / at[..., 0]).to(dout.dtype)
-    if two:
-        rest = delta - at[..., 0] * hi  # what the rounded first entry misses
-        vals = torch.stack([hi, (rest / at[..., 1]).to(dout.dtype)], dim=-1)
-    else:
-        vals = hi.unsqueeze(-1)
-    return torch.zeros_like(dout).scatter_(-1, top, vals)
+    if not two:
+        return torch.zeros_like(dout).scatter_(-1, top, hi.unsqueeze(-1))
+    x = torch.zeros_like(dout).scatter_(-1, top, _two(delta, at, top, hi))
+    return torch.where((hi.isinf() & delta.isfinite()).unsqueeze(-1), _spread(dout, delta, at, top), x)
+
+
+def _two(delta: torch.Tensor, at: torch.Tensor, top: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """The values at the two largest entries: ``hi``, then what the rounded ``hi`` misses."""
+    rest = delta - at[..., 0] * hi
+    return torch.stack([hi, (rest / at[..., 1]).to(hi.dtype)], dim=-1)
+
+
+def _spread(dout: torch.Tensor, delta: torch.Tensor, at: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
+    """The stand-in of rows whose ``delta / dout_k`` overflows the 16-bit dtype (fp16 rows whose
+    output magnitudes sum past 65504): every other entry ``d`` carries ``sign(dout_d) * c``, the
+    rounded ``c = delta / sum_d |dout_d|`` (at most the row's largest ``|out_d|``, so it fits),
+    and the two largest entries carry what that misses, as in the other rows."""
+    mag = dout.abs().to(delta.dtype).scatter_(-1, top, 0)
+    s_rest = mag.sum(-1)
+    c = (delta / (s_rest + at.abs().sum(-1))).to(dout.dtype)
+    part = delta - c.to(delta.dtype) * s_rest
+    x = (torch.sign(dout) * c.unsqueeze(-1)).to(dout.dtype)
+    return x.scatter_(-1, top, _two(part, at, top, (part / at[..., 0]).to(dout.dtype)))

@@ -47,6 +47,24 @@ def test_stand_in_gives_the_row_term(dtype):
     assert torch.equal(x[3], torch.zeros_like(x[3]))
 
 
+def test_stand_in_of_rows_past_the_fp16_range():
+    """fp16 outputs whose magnitudes sum past 65504 (|out| ~ 2000, Dv 64) under a flat ``dout``:
+    ``delta / dout_k`` overflows fp16, so those rows spread the term over every entry (the
+    largest two carry what the rounded share misses). Finite, and as precise as other rows;
+    rows in range keep their two entries. Before, the a2a backward's dq and dk were NaN."""
+    g = torch.Generator().manual_seed(2)
+    dout = (1 + 0.1 * torch.randn(32, 2, 64, generator=g)).half()
+    out = (2000 + torch.randn(32, 2, 64, generator=g)).half()
+    out[:4] = torch.randn(4, 2, 64, generator=g).half()  # rows in range
+    delta = row_dot(dout, out)
+    x = stand_in(dout, delta)
+    assert torch.isfinite(x).all()
+    got = (dout.double() * x.double()).sum(-1)
+    scale = (dout.double() * out.double()).abs().sum(-1)
+    assert ((got - delta.double()).abs() / scale).max() <= PRECISION[torch.float16]
+    assert ((x[:4] != 0).sum(-1) <= 2).all() and ((x[4:] != 0).sum(-1) == 64).all()
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_gradients_match_the_moved_output(dtype):
     """Values almost alike over the keys make ``dout . v`` nearly constant, so the backward's
