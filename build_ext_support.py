@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
-DEFAULT_ARCHS = "8.0;9.0"  # Ampere and Hopper; sm_80 is also the kernels' floor (bf16 atomics)
+DEFAULT_ARCHS = "8.0;9.0+PTX"  # Ampere, Hopper, and PTX newer GPUs (Blackwell) compile at load; sm_80 is the floor
 ENV = "MCX_BUILD_CUDA"
 _ARCH = re.compile(r"^(\d+)\.(\d+)([af]?)(\+PTX)?$")
 # What pip's isolated build environment sets to hide the user's site-packages.

@@ -87,7 +87,20 @@ def _use_kernel(*tensors: torch.Tensor) -> bool:
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return False
     device = tensors[0].device
-    return all(t.device == device and t.is_contiguous() for t in tensors)
+    return _capable(device) and all(t.device == device and t.is_contiguous() for t in tensors)
+
+
+_CAPABLE: dict[int, bool] = {}
+
+
+def _capable(device: torch.device) -> bool:
+    """The kernels' floor, sm_80 (bf16 atomics; the build's archs are 8.0, 9.0 and its PTX):
+    an older GPU keeps the fallback instead of failing at launch. Asked once per device."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    ok = _CAPABLE.get(index)
+    if ok is None:
+        ok = _CAPABLE[index] = torch.cuda.get_device_capability(index) >= (8, 0)
+    return ok
 
 
 def _is_index(idx_N: torch.Tensor) -> bool:

@@ -68,6 +68,17 @@ def test_forced_build_fails_naming_what_is_missing(torch_info, nvcc, match) -> N
         B.decide("1", torch_info, nvcc)
 
 
+def test_default_archs_carry_ptx_for_newer_gpus(monkeypatch) -> None:
+    """Ampere and Hopper binaries, and Hopper's PTX: a newer GPU (Blackwell) compiles the
+    kernels at load instead of failing at the first launch with no kernel image."""
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
+    assert B.gencode_flags() == [
+        "-gencode=arch=compute_80,code=sm_80",
+        "-gencode=arch=compute_90,code=sm_90",
+        "-gencode=arch=compute_90,code=compute_90",
+    ]
+
+
 def test_unknown_request_is_an_error() -> None:
     with pytest.raises(ValueError, match="0, 1 or auto"):
         B.decide("yes", CUDA_TORCH, "/nvcc")

@@ -2,7 +2,7 @@
 
 No GPU is needed: this is the check that the kernels and their torch glue type-check against
 the installed torch headers and CUDA toolkit. It compiles to object files only (a CPU torch
-has no CUDA libraries to link against) for the default archs (sm_80, sm_90, or
+has no CUDA libraries to link against) for the default archs (sm_80, sm_90 and compute_90's PTX, or
 ``TORCH_CUDA_ARCH_LIST``). One nvcc per core at a time (about 20 s on 2 cores); skipped when nvcc is not on PATH.
 """
 
