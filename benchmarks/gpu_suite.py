@@ -1,7 +1,7 @@
 """The whole GPU program in one command: environment, csrc build, GPU tests, benchmarks,
 calibration and the device report.
 
-    python benchmarks/gpu_suite.py --out DIR [--dry-run] [--only STEP,...]
+    python benchmarks/gpu_suite.py --out DIR [--dry-run] [--only STEP,...] [--deadline S]
 
 Steps run in order, each in its own subprocess with its own time budget (whole runs took 3 to
 4.5 minutes on an H100 and an H200; the budgets add up to under 14) and its own log in DIR; a
@@ -48,6 +48,12 @@ class Step:
 
 INTERRUPT_GRACE_S = 20.0
 """After the tests step's budget, how long pytest gets to write its report before it is killed."""
+
+MIN_STEP_S = 10.0
+"""Under ``--deadline``, a step that would get less than this is skipped (reported as such)."""
+
+REPORT_RESERVE_S = 15.0
+"""Under ``--deadline``, the seconds kept back for the last report."""
 
 STEPS = [
     Step(name="env", budget_s=20, dry_budget_s=120, log="env.log"),
@@ -195,8 +201,13 @@ def _child(name: str, dry: bool) -> None:
         gpu_bench.STEPS[name](s)
 
 
-def run_step(step: Step, out: Path, dry: bool) -> dict:
+def run_step(step: Step, out: Path, dry: bool, left_s: float | None = None) -> dict:
+    """Run one step within its budget, cut to ``left_s`` (what ``--deadline`` leaves)."""
     budget = step.dry_budget_s if dry else step.budget_s
+    if left_s is not None:
+        budget = min(budget, left_s - (INTERRUPT_GRACE_S if step.name == "tests" else 0))
+    if budget < MIN_STEP_S:
+        return {"step": step.name, "status": "skipped (deadline)", "seconds": 0.0, "log": step.log}
     t0 = time.perf_counter()
     try:
         if step.name == "tests":
@@ -238,6 +249,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, help="folder for the logs and the report (created)")
     ap.add_argument("--dry-run", action="store_true", help="every step on the CPU with tiny sizes")
     ap.add_argument("--only", default="", help="comma-separated steps (default: all)")
+    ap.add_argument(
+        "--deadline", type=float, default=None,
+        help="seconds for the whole run: budgets are cut to what is left and late steps skipped "
+        "(the report is rewritten after every step, so a killed run still leaves one)",
+    )  # fmt: skip
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
@@ -255,11 +271,13 @@ def main(argv: list[str] | None = None) -> int:
     for step in STEPS:
         if only and step.name not in only:
             continue
-        st = run_step(step, args.out, args.dry_run)
+        left = None if args.deadline is None else args.deadline - REPORT_RESERVE_S - (time.perf_counter() - t0)
+        st = run_step(step, args.out, args.dry_run, left)
         statuses.append(st)
         print(
             f"[suite] {st['step']:<12} {st['status']:<24} {st['seconds']:6.1f} s  -> {args.out / st['log']}", flush=True
         )
+        report.write(args.out, statuses, collect(args.out), dry=args.dry_run, total_s=time.perf_counter() - t0)
     path = report.write(args.out, statuses, collect(args.out), dry=args.dry_run, total_s=time.perf_counter() - t0)
     print(f"[suite] report -> {path}  ({time.perf_counter() - t0:.0f} s in all)")
     print(path.read_text())

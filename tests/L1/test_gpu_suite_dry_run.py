@@ -109,3 +109,17 @@ def test_tests_step_out_of_time_keeps_what_ran(tmp_path, monkeypatch):
     cases = {c.get("name"): c for c in ET.parse(out / "tests.xml").getroot().iter("testcase")}
     assert "test_quick" in cases and cases["test_quick"].find("failure") is None, cases
     assert [p.name for p in out.iterdir()] == ["tests.xml"]  # the console stays out of DIR
+
+
+def test_deadline_skips_what_does_not_fit_and_still_reports(tmp_path):
+    """``--deadline``: budgets are cut to what is left; a step left under ``MIN_STEP_S`` is
+    skipped (not started), and the report is written all the same (also after every step)."""
+    out = tmp_path / "late"
+    assert gpu_suite.main(["--out", str(out), "--dry-run", "--deadline", "1", "--only", "env,kernels"]) == 1
+    (path,) = out.glob("*.md")  # the device is unknown: its step did not run
+    report_text = path.read_text()
+    assert "| env | skipped (deadline) |" in report_text and "| kernels | skipped (deadline) |" in report_text
+    assert not (out / "env.log").exists()
+    step = next(s for s in gpu_suite.STEPS if s.name == "env")
+    cut = gpu_suite.run_step(step, out, dry=True, left_s=gpu_suite.MIN_STEP_S - 1)
+    assert cut["status"] == "skipped (deadline)" and cut["seconds"] == 0.0
