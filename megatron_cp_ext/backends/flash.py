@@ -123,7 +123,8 @@ def fa_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     dq, dk, dvp = torch.empty_like(q), torch.empty_like(k), torch.empty_like(vp)
     _flash_attn_varlen_backward(
         doutp, q, k, vp, outp, lse_HN, dq, dk, dvp, cu_seqlens_q, cu_seqlens_k,
-        max_seqlen_q, max_seqlen_k, 0.0, scale, causal, left, right, 0.0, None, False, None,
+        max_seqlen_q, max_seqlen_k, 0.0, scale, causal, left, right, 0.0, None,
+        torch.are_deterministic_algorithms_enabled(), None,  # deterministic dQ accumulation when asked
     )  # fmt: skip
     return dq, dk, dvp[..., : v.shape[-1]]
 

@@ -70,3 +70,23 @@ def test_rows_that_see_nothing_get_minus_inf() -> None:
     got = flash._lse_nh(lse_HN)
     assert torch.equal(got, torch.tensor([[-inf, 2.0], [1.0, -inf], [-inf, 3.0]]))
     assert got.is_contiguous(), "the merges' CUDA kernel takes row-major lse only"
+
+
+def test_backward_is_deterministic_when_torch_asks(monkeypatch) -> None:
+    """FA2's backward gets ``deterministic`` from ``torch.use_deterministic_algorithms`` (its
+    dQ accumulation otherwise uses atomics: run to run, bits differ). Stub interface: the
+    arguments only."""
+    import sys
+    import types
+
+    seen = []
+    interface = types.ModuleType("flash_attn.flash_attn_interface")
+    interface._flash_attn_varlen_backward = lambda *args: seen.append(args[20])
+    monkeypatch.setitem(sys.modules, "flash_attn", types.ModuleType("flash_attn"))
+    monkeypatch.setitem(sys.modules, "flash_attn.flash_attn_interface", interface)
+    q = k = v = out = dout = torch.zeros(5, 2, 8)
+    cu, lse = torch.tensor([0, 5], dtype=torch.int32), torch.zeros(5, 2)
+    for flag in (True, False):
+        monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda flag=flag: flag)
+        flash.fa_bwd(dout, q, k, v, out, lse, cu, cu, 5, 5, True, (-1, -1), 0.5)
+    assert seen == [True, False]
