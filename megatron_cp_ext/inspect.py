@@ -235,7 +235,8 @@ def _a2a_bytes(plan: A2APlan, hq: int, hkv: int, d: int, dv: int, es: int, token
     in_q, in_kv = sum(others) * nq[me], sum(others) * nkv[me]
     fwd_out, fwd_in, bwd_out, bwd_in = a2a_bytes(out_q, out_kv, in_q, in_kv, d, dv, es, hkv < a)
     ring = plan.ring
-    rs, rr, packed = _p2p_bytes(ring, nkv[me] * (d + dv) * es, nkv[me] * (d + dv) * 4)
+    hkv_ring = nkv[me] if nq[me] else 0  # a member without query heads skips the ring across groups
+    rs, rr, packed = _p2p_bytes(ring, hkv_ring * (d + dv) * es, hkv_ring * (d + dv) * 4)
     sent = {"forward": fwd_out + rs["forward"], "backward": bwd_out + rs["backward"]}
     recv = {"forward": fwd_in + rr["forward"], "backward": bwd_in + rr["backward"]}
     # a2a's rows land in group order run by run (``schedules/route.py``), no gather, where the
@@ -252,13 +253,15 @@ def _a2a_bytes(plan: A2APlan, hq: int, hkv: int, d: int, dv: int, es: int, token
     if ring.staged is not None:  # the ring across groups staged: two stages, one exchange
         calls = _call_reports(0, ring.staged.local) + _call_reports(1, ring.staged.joined)
         peers = tuple(sorted({x * a + me for st in ring.steps for x in (st.src, st.dst)}))
-        steps += [StepReport(1, "staged", peers, rs, rr)] if ring.steps else []
+        steps += [StepReport(1, "staged", peers, rs, rr)] if ring.steps and nq[me] else []
         return sent, recv, packed, nq[me] / hq, calls if nq[me] else [], steps, nq[me]
     # the forward's calls: a2a+p2p halves its ring's wide ones on large shards (``p2p_plan.split_wide``)
     split = use_split(ring.counts[ring.rank], nq[me], dv, es)
     fwd = [(st.slot, st.fwd if split and st.fwd is not None else st.plan) for st in ring.steps]
     calls = _call_reports(0, ring.own) + [c for slot, p in fwd for c in _call_reports(slot, p)]
-    steps += _ring_steps(ring, nkv[me] * (d + dv) * es, nkv[me] * (d + dv) * 4, lambda j: j * a + me)
+    steps += (
+        _ring_steps(ring, hkv_ring * (d + dv) * es, hkv_ring * (d + dv) * 4, lambda j: j * a + me) if nq[me] else []
+    )
     return sent, recv, packed, nq[me] / hq, calls if nq[me] else [], steps, nq[me]
 
 

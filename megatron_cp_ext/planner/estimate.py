@@ -364,8 +364,8 @@ def _a2a_times(sharding: CPSharding, owner, mask: MaskSpec, a: int, counts: np.n
         bw = _collective_bw(ranks, g * a, g * a + a - 1, prof)
         coll = {"forward": lat * (a - 1) + fwd / bw, "backward": lat * (a - 1) + bwd / bw}
     heads = nq[me]
-    kv_row = nkv[me] * (sh.d + sh.dv) * sh.es
-    grad_row = nkv[me] * (sh.d + sh.dv) * 4
+    kv_row = nkv[me] * (sh.d + sh.dv) * sh.es * (heads > 0)  # without query heads: no ring across groups
+    grad_row = nkv[me] * (sh.d + sh.dv) * 4 * (heads > 0)
     if staged:
         return _staged_a2a(geo, local_share(useg, ugroup, gsum[::a], mask), a, nq, nkv, sh, prof, coll)
     return _ring_times(geo, g, lambda j: j * a + me, kv_row, grad_row, heads, sh, prof, coll)
