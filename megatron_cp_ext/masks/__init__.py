@@ -17,6 +17,7 @@ once (:mod:`.geometry`) and Megatron's mask names as these flags (:mod:`.names`)
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -44,6 +45,13 @@ class MaskSpec:
         """Validate user arguments strictly (:mod:`.validation`) and build the normalised spec."""
         causal = as_bool(causal, "causal")
         left, right = as_window(window_size)
+        if causal and right > 0:  # as TransformerEngine does: said once per call site, not refused
+            warnings.warn(
+                f"window_size={(left, right)} with a causal mask: keys after the query stay hidden, so the right "
+                f"window is ignored (the mask is ({left}, 0)); pass causal=False (Megatron: attn_mask_type "
+                "no_mask) for a window that sees ahead",
+                stacklevel=3,
+            )
         return cls(causal=causal, left=left, right=0 if causal else right, chunk=as_chunk(chunk_size))
 
     @property

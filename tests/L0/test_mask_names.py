@@ -55,3 +55,20 @@ def test_bottom_right_causal_needs_equal_lengths():
     assert mcx.mask_flags("causal_bottom_right", cu_seqlens_q=cu, cu_seqlens_kv=list(cu)) == {"causal": True}
     with pytest.raises(ValueError, match="different query and key lengths"):
         mcx.mask_flags("causal_bottom_right", cu_seqlens_q=cu, cu_seqlens_kv=[0, 7, 12])
+
+
+def test_a_right_window_under_a_causal_mask_warns_and_is_ignored():
+    """As TransformerEngine does: ``(left, right > 0)`` with a causal mask is ``(left, 0)``,
+    said in a warning; ``(left, 0)`` and ``(left, -1)`` say nothing."""
+    import warnings
+
+    from megatron_cp_ext.masks import MaskSpec
+
+    with pytest.warns(UserWarning, match=r"right window is ignored \(the mask is \(4, 0\)\)"):
+        spec = MaskSpec.make(causal=True, window_size=(4, 4))
+    assert (spec.left, spec.right) == (4, 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        MaskSpec.make(causal=True, window_size=(4, 0))
+        MaskSpec.make(causal=True, window_size=(4, -1))
+        MaskSpec.make(causal=False, window_size=(4, 4))
