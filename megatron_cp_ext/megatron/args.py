@@ -70,7 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "thd_get_partitioned_indices per document; always used with cu_seqlens_q_padded), or the balance a "
         "pipeline passed to megatron_cp_ext.shard_sequences (workload, dualchunk, contiguous): then packed_seq_params "
         "without a sharding are refused, since cu_seqlens cannot say how the data was split; batches split by "
-        "shard_batch_for_cp, or params from make_packed_seq_params(cu, sharding=...), carry their split",
+        "shard_batch_for_cp, or params from make_packed_seq_params(cu, cp_group=..., sharding=...), carry their split",
     )
     group.add_argument(
         "--cp-attention-backend",

@@ -86,7 +86,8 @@ def make_packed_seq_params(
 
     ``sharding``: the split the data already got (e.g. ``shard_sequences(...)`` whose ``shard``
     split it, here or in a data-loader worker), instead of a ``balance``; the layers then use
-    exactly it. Its ``cu_seqlens`` and CP size must be these.
+    exactly it. Its ``cu_seqlens`` and CP size must be these. ``cp_group``: the CP group
+    (Megatron's ``parallel_state.get_context_parallel_group()``); None is CP size 1.
     """
     cu_cpu = torch.tensor(host_cu_seqlens(cu_seqlens), dtype=torch.int64)
     size, rank = _group_size_rank(cp_group)
@@ -132,7 +133,10 @@ def _check_given(sharding: CPSharding, cu: list[int], cp_size: int, balance: str
             f"than these ({len(cu) - 1} sequences, {cu[-1]} tokens)"
         )
     if sharding.cp_size != cp_size:
-        raise CPArgumentError(f"sharding is for CP size {sharding.cp_size}, cp_group has {cp_size} ranks")
+        raise CPArgumentError(
+            f"sharding is for CP size {sharding.cp_size}, cp_group has {cp_size} ranks"
+            + (" (cp_group=None is CP size 1: pass parallel_state.get_context_parallel_group())" if cp_size == 1 else "")
+        )
 
 
 def zigzag_positions(s_local: int, cp_size: int, rank: int) -> torch.Tensor:

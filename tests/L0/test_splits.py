@@ -71,8 +71,8 @@ def test_given_sharding_must_fit():
         make_packed_seq_params(CU, sharding=sh, balance="workload")
     with pytest.raises(CPArgumentError, match="other cu_seqlens"):
         make_packed_seq_params(CU[:-1], sharding=sh)
-    with pytest.raises(CPArgumentError, match="CP size 2"):
-        make_packed_seq_params(CU, sharding=mcx.shard_sequences(CU, 2))
+    with pytest.raises(CPArgumentError, match=r"CP size 2.*cp_group=None is CP size 1: pass parallel_state"):
+        make_packed_seq_params(CU, sharding=mcx.shard_sequences(CU, 2))  # cp_group forgotten
     with pytest.raises(TypeError, match="CPSharding"):
         make_packed_seq_params(CU, sharding="workload")
 
