@@ -133,9 +133,9 @@ def _check_given(sharding: CPSharding, cu: list[int], cp_size: int, balance: str
             f"than these ({len(cu) - 1} sequences, {cu[-1]} tokens)"
         )
     if sharding.cp_size != cp_size:
+        hint = " (cp_group=None is CP size 1: pass parallel_state.get_context_parallel_group())"
         raise CPArgumentError(
-            f"sharding is for CP size {sharding.cp_size}, cp_group has {cp_size} ranks"
-            + (" (cp_group=None is CP size 1: pass parallel_state.get_context_parallel_group())" if cp_size == 1 else "")
+            f"sharding is for CP size {sharding.cp_size}, cp_group has {cp_size} ranks" + (hint if cp_size == 1 else "")
         )
 
 
