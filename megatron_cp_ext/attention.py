@@ -46,8 +46,8 @@ from .schedules.common import Run, apply_sink, sink_grad
 from .schedules.delta import row_dot
 from .schedules.first_order import first_order
 from .schedules.max_logit import new_max_logit, reduce_max_logit
-from .sharding import CPSharding, splits
-from .sharding.seq_layout import fixed_length_sharding, rows_to_thd, seq_to_thd, thd_to_seq
+from .sharding import CPSharding
+from .sharding.seq_layout import check_data_split, fixed_length_sharding, rows_to_thd, seq_to_thd, thd_to_seq
 
 __all__ = ["cp_attention", "COMM_TYPES", "QKV_FORMATS"]
 
@@ -127,7 +127,7 @@ def _prepare(q, k, v, a: dict, known: _Known) -> _Call:
     check = as_bool(a["check"], "check")
     fmt = as_choice(a["qkv_format"], "qkv_format", QKV_FORMATS)
     auto = isinstance(a["comm_type"], str) and a["comm_type"] == "auto"
-    comm_type = "auto" if auto else as_choice(a["comm_type"], "comm_type", COMM_TYPES)
+    comm_type = "auto" if auto else as_choice(a["comm_type"], "comm_type", (*COMM_TYPES, "auto"))
     sharding = a["sharding"]
     if fmt == "thd":
         if not isinstance(sharding, CPSharding):
@@ -161,7 +161,7 @@ def _prepare(q, k, v, a: dict, known: _Known) -> _Call:
             f"q has {shapes.tokens} tokens but the sharding gives CP rank {groups.rank} "
             f"{sharding.num_tokens(groups.rank)} (shard inputs with sharding.shard(x, rank))"
         )
-    _check_data_split(sharding, fmt, seq_dims, groups.rank)
+    check_data_split(sharding, fmt, seq_dims, groups.rank)
     backend = get_backend(shapes.device, backend_name)
     check_backend_dtype(resolved_name(backend), shapes.dtype)
     offset = check_offset(a["softmax_offset"], shapes)
@@ -176,31 +176,6 @@ def _prepare(q, k, v, a: dict, known: _Known) -> _Call:
         q, k, v, shapes, groups, comm_type, fmt, seq_dims, sharding, mask, scale, backend, check, grad, heads, offset,
         auto=auto,
     )  # fmt: skip
-
-
-THD_FIX = "Pass cp_attention the sharding that split the data (one CPSharding per micro-batch for every layer)"
-SEQ_FIX = (
-    "bshd/sbhd attention always uses Megatron's dual-chunk split: split such data with "
-    "shard_sequences([0, s], cp, balance='dualchunk') (or Megatron's get_batch_on_this_cp_rank), or pass it as thd "
-    "with sharding="
-)
-
-
-def _check_data_split(sharding: CPSharding, fmt: str, seq_dims: tuple[int, int] | None, rank: int) -> None:
-    """The attention's split is one this process split the data with (when it split data of
-    these ``cu_seqlens`` at all), else the same ``CPArgumentError`` on every rank (design
-    rule 5). bshd/sbhd data cut along its sequence dimension was split as one sequence
-    ``[0, s]``; that split must be the dual-chunk one these formats attend with."""
-    if fmt == "thd":
-        msg = splits.disagreement(sharding, "the sharding passed to cp_attention", THD_FIX, rank)
-    else:
-        layer = f"Megatron's dual-chunk split (qkv_format={fmt!r})"
-        msg = splits.disagreement(sharding, layer, SEQ_FIX)
-        if msg is None and seq_dims[0] > 1:
-            one = fixed_length_sharding(1, seq_dims[1], sharding.cp_size, fmt)
-            msg = splits.disagreement(one, layer, SEQ_FIX)
-    if msg is not None:
-        raise CPArgumentError(msg)
 
 
 AUTO_CHOOSER: list[Callable[..., tuple[str, CPGroups]] | None] = [None]

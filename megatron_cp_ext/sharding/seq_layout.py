@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 
 from ..runtime.validation import CPArgumentError, CPArgumentTypeError
-from . import CPSharding, shard_sequences
+from . import CPSharding, shard_sequences, splits
 
-__all__ = ["fixed_length_sharding", "rows_to_thd", "seq_to_thd", "thd_to_seq"]
+__all__ = ["fixed_length_sharding", "rows_to_thd", "seq_to_thd", "thd_to_seq", "check_data_split"]
 
 _SEQ_SHARDINGS: dict[tuple[int, int, int], CPSharding] = {}
 
@@ -65,3 +65,34 @@ def thd_to_seq(out: torch.Tensor, fmt: str, seq_dims: tuple[int, int], cp: int) 
     if fmt == "sbhd":
         return out.permute(0, 2, 1, 3, 4).reshape(s_local, b, *out.shape[3:])
     return out.transpose(0, 1).reshape(b, s_local, *out.shape[3:])
+
+
+THD_FIX = "Pass cp_attention the sharding that split the data (one CPSharding per micro-batch for every layer)"
+SEQ_FIX = (
+    "bshd/sbhd attention always uses Megatron's dual-chunk split of each row: split such data along its "
+    "sequence dimension with shard_sequences([0, s], cp, balance='dualchunk').shard(x, cp_rank, dim=...) (or "
+    "Megatron's get_batch_on_this_cp_rank), or pass it as thd with sharding="
+)
+
+
+def check_data_split(sharding: CPSharding, fmt: str, seq_dims: tuple[int, int] | None, rank: int) -> None:
+    """The attention's split is one this process split the data with (when it split data of
+    these ``cu_seqlens`` at all), taken for this CP ``rank``, else the same ``CPArgumentError``
+    on every rank (design rule 5).
+
+    bshd/sbhd data cut along its sequence dimension was split as one sequence ``[0, s]``; that
+    split must be the dual-chunk one these formats attend with, for this rank. With ``b > 1``
+    rows, data split as the packed sequences ``[0, s, ..., b*s]`` by any split is refused: its
+    rank holds every row's first chunk, then the second ones, not Megatron's
+    ``[chunk r | chunk 2cp-1-r]`` per row (the dual-chunk split of those rows has that
+    sharding's very segments, so only the order tells them apart)."""
+    if fmt == "thd":
+        msg = splits.disagreement(sharding, "the sharding passed to cp_attention", THD_FIX, rank)
+    else:
+        layer = f"Megatron's dual-chunk split (qkv_format={fmt!r})"
+        b, s_local = seq_dims
+        msg = splits.packed_rows(sharding, layer, SEQ_FIX) if b > 1 else None
+        one = sharding if b == 1 else fixed_length_sharding(1, s_local, sharding.cp_size, fmt)
+        msg = msg or splits.disagreement(one, layer, SEQ_FIX, rank)
+    if msg is not None:
+        raise CPArgumentError(msg)

@@ -107,8 +107,11 @@ def record(sharding: CPSharding, rank: int | None = None) -> None:
         if known is not None and split.fingerprint in known:
             _RECENT.move_to_end(key)
             ranks = _RANKS.get(held, set())
-            if ranks is not None and rank not in ranks:  # more ranks only pass more: no new generation
-                _RANKS[held] = None if rank is None else ranks | {rank}
+            # more ranks only pass more: no new generation. A whole split arriving (rank None)
+            # after this process took ranks' tokens itself is a copy of its own (deepcopy, a
+            # pickle round trip), not another process's data: the ranks it took stay the record
+            if ranks is not None and rank is not None and rank not in ranks:
+                _RANKS[held] = ranks | {rank}
             return
         _RECENT.setdefault(key, {})[split.fingerprint] = split
         _RANKS[held] = None if rank is None else {rank}
@@ -139,6 +142,25 @@ def clear() -> None:
         _RECENT.clear()
         _RANKS.clear()
         _GEN[0] += 1
+
+
+def packed_rows(rows: CPSharding, layer: str, fix: str) -> str | None:
+    """The mismatch message when data with the ``cu_seqlens`` of ``rows`` (``b > 1`` equal
+    rows of a bshd/sbhd batch as packed sequences) was split in this process by any split: a
+    rank's tokens then run sequence by sequence, not row by row in Megatron's layout."""
+    gen = generation()
+    if rows.cp_size < 2 or rows._cache.get("rows_gen") == gen:
+        return None
+    data = recorded(rows.cu_seqlens, rows.cp_size)
+    if data:
+        cu = rows.cu_seqlens
+        return (
+            f"CP split mismatch: data of {len(cu) - 1} rows of {cu[1]} tokens (CP {rows.cp_size}) was split as "
+            f"packed (thd) sequences by {describe(data[-1])}, but the attention layer would use {layer}: a "
+            f"rank's rows would hold the sequences' chunks in another order. {fix}"
+        )
+    rows._cache["rows_gen"] = gen
+    return None
 
 
 def describe(split: Split) -> str:

@@ -101,7 +101,7 @@ def test_mask_spec_is_strict(kw, err, names):
 def test_validators_name_the_argument_and_list_choices():
     with pytest.raises(TE, match=r"depth must be an int >= 1, got 2\.5 \(float\)"):
         as_int(2.5, "depth", minimum=1)
-    with pytest.raises(VE, match=r"comm_type must be one of \('p2p', 'all_gather', 'a2a', 'a2a\+p2p'\)"):
+    with pytest.raises(VE, match=r"comm_type must be one of \('p2p', 'all_gather', 'a2a', 'a2a\+p2p', 'auto'\)"):
         mcx.cp_attention(*(torch.zeros(4, 1, 2),) * 3, cp_group=None, comm_type="ring", sharding=None)
     assert as_scale(np.float32(0.5)) == 0.5 and as_scale(None) is None
     err = pytest.raises(TE, match="softmax_scale")

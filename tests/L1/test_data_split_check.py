@@ -222,3 +222,67 @@ def test_a_split_change_on_the_same_cu_seqlens_names_its_way_out():
     limit), with a message that says why and how to go on; after ``splits.clear()`` it runs."""
     for refused, ran in run_threads(2, _split_changes_between_micro_batches, timeout=120):
         assert "CP split mismatch" in refused and "splits.clear()" in refused and ran == "ran", (refused, ran)
+
+
+def _rows_as_packed(rank: int, world: int, fmt: str, took: str) -> dict:
+    """bshd/sbhd rows split otherwise than Megatron's per-row dual chunks: ``packed`` cuts the
+    flattened ``b`` rows as packed sequences with the dual-chunk split of ``[0, s, ..., b*s]``
+    (its segments are the rows' dual-chunk ones, only in sequence order); ``other-rank`` cuts
+    each row for the next CP rank. Before, both ran with O(1) errors."""
+    import torch.distributed as dist
+
+    import megatron_cp_ext as mcx
+    from megatron_cp_ext.sharding import splits
+
+    splits.clear()  # the other case's record (threads share one process)
+    b, s = 2, 16 * world
+    q, k, v = _qkv(s, lambda n, h: (b, n, h, D))
+    if took == "packed":
+        sh = mcx.shard_sequences([i * s for i in range(b + 1)], world, "dualchunk")
+        local = [sh.shard(x.reshape(b * s, *x.shape[2:]), rank).reshape(b, s // world, *x.shape[2:]) for x in (q, k, v)]
+    else:
+        one = mcx.shard_sequences([0, s], world, "dualchunk")
+        local = [one.shard(x, (rank + 1) % world, dim=1) for x in (q, k, v)]
+    if fmt == "sbhd":
+        local = [x.transpose(0, 1) for x in local]
+    try:
+        mcx.cp_attention(*local, cp_group=dist.group.WORLD, qkv_format=fmt, causal=True)
+    except mcx.CPArgumentError as err:
+        return {"error": str(err)}
+    return {"ran": True}
+
+
+@pytest.mark.parametrize("fmt", ["bshd", "sbhd"])
+def test_rows_split_as_packed_sequences_or_for_another_rank_are_refused(fmt):
+    got = run_on_ranks(2, _rows_as_packed, fmt, "packed", timeout=120)
+    _one_error(got, "CP split mismatch", "split as packed (thd) sequences", "dim=")
+    got = run_on_ranks(2, _rows_as_packed, fmt, "other-rank", timeout=120)
+    _one_error(got, "CP shard mismatch", "attends as CP rank", "the rank in the CP group")
+
+
+def _copied_sharding(rank: int, world: int, how: str) -> dict:
+    """Data taken for the wrong CP rank, then the sharding copied in the same process (a
+    deepcopy, a pickle round trip): the copy arrives whole (rank unknown), which once widened
+    the record to any rank, so the wrong shard ran (error 3.0)."""
+    import copy
+    import pickle
+
+    import torch.distributed as dist
+
+    import megatron_cp_ext as mcx
+
+    cu = [0, 13, 13, 14, 40, 47, 48]
+    sharding = mcx.shard_sequences(cu, world, "dualchunk")
+    local = [sharding.shard(x, (rank + 1) % world) for x in _qkv(cu[-1])]
+    _copy = copy.deepcopy(sharding) if how == "deepcopy" else pickle.loads(pickle.dumps(sharding))
+    try:
+        mcx.cp_attention(*local, cp_group=dist.group.WORLD, sharding=sharding)
+    except mcx.CPArgumentError as err:
+        return {"error": str(err)}
+    return {"ran": True}
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copy_of_the_sharding_keeps_the_rank_check(how):
+    got = run_on_ranks(2, _copied_sharding, how, timeout=120)
+    _one_error(got, "CP shard mismatch", "attends as CP rank", "the rank in the CP group")
