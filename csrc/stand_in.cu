@@ -27,6 +27,9 @@ __device__ __forceinline__ float widen(__nv_bfloat16 v) { return __bfloat162floa
 __device__ __forceinline__ void narrow(float v, __half* out) { *out = __float2half_rn(v); }
 __device__ __forceinline__ void narrow(float v, __nv_bfloat16* out) { *out = __float2bfloat16_rn(v); }
 
+// torch.sign of a finite value: -1, 0 (either zero) or 1.
+__device__ __forceinline__ float sign_of(float v) { return v > 0.0f ? 1.0f : (v < 0.0f ? -1.0f : 0.0f); }
+
 // Whether entry (m, i) comes before (n, j) in argmax order over |dout|: NaN first, then the
 // larger magnitude, then the lower index. An empty slot has index -1 and comes last.
 __device__ __forceinline__ bool before(float m, int64_t i, float n, int64_t j) {
@@ -79,38 +82,40 @@ __global__ void stand_in_kernel(
     float at2 = widen(x[top.i2]);
     at1 += at1 == 0.0f ? 1.0f : 0.0f;  // the torch form's `at += at == 0`
     at2 += at2 == 0.0f ? 1.0f : 0.0f;
-    float part = delta[row];
+    const float dl = delta[row];
     T hi, lo, share;
-    narrow(__fdiv_rn(part, at1), &hi);
+    narrow(__fdiv_rn(dl, at1), &hi);
     narrow(0.0f, &share);
     // Uniform across the warp (every lane holds the row's top two and delta): delta / dout_k
-    // overflows the 16-bit type (fp16 outputs whose magnitudes sum past 65504). Every other
-    // entry then carries sign(dout_c) * share, share = round(delta / sum |dout|) (at most the
-    // row's largest |out|), and the top two what that misses. The torch form sums
-    // sum_{c not top} |dout_c| in another order: these rows match it to rounding, not the bit.
-    const bool spread = isinf(widen(hi)) && isfinite(part);
+    // overflows the 16-bit type (fp16 outputs whose magnitudes sum past 65504). Every entry
+    // then carries sign(dout_c) * share, share = round(delta / sum |dout|) (at most the row's
+    // largest |out|), and the top two add what that misses, the second what the first's
+    // rounding misses. The torch form sums |dout| in another order: these rows match it to a
+    // rounding of share, not to the bit.
+    const bool spread = isinf(widen(hi)) && isfinite(dl);
     if (spread) {
-      float s_rest = 0.0f;
-      for (int64_t c = lane; c < d; c += kWarp) {
-        if (c != top.i1 && c != top.i2) s_rest = __fadd_rn(s_rest, fabsf(widen(x[c])));
-      }
+      float s_all = 0.0f;
+      for (int64_t c = lane; c < d; c += kWarp) s_all = __fadd_rn(s_all, fabsf(widen(x[c])));
 #pragma unroll
-      for (int off = kWarp / 2; off > 0; off /= 2) s_rest = __fadd_rn(s_rest, __shfl_xor_sync(0xffffffffu, s_rest, off));
-      narrow(__fdiv_rn(part, __fadd_rn(s_rest, __fadd_rn(fabsf(at1), fabsf(at2)))), &share);
-      part = __fsub_rn(part, __fmul_rn(widen(share), s_rest));
-      narrow(__fdiv_rn(part, at1), &hi);
+      for (int off = kWarp / 2; off > 0; off /= 2) s_all = __fadd_rn(s_all, __shfl_xor_sync(0xffffffffu, s_all, off));
+      narrow(__fdiv_rn(dl, s_all), &share);
+      const float sh = widen(share);
+      const float b1 = __fmul_rn(sign_of(widen(x[top.i1])), sh);
+      const float b2 = __fmul_rn(sign_of(widen(x[top.i2])), sh);
+      float r = __fsub_rn(dl, __fmul_rn(sh, s_all));
+      narrow(__fadd_rn(b1, __fdiv_rn(r, at1)), &hi);
+      r = __fsub_rn(r, __fmul_rn(at1, __fsub_rn(widen(hi), b1)));
+      narrow(__fadd_rn(b2, __fdiv_rn(r, at2)), &lo);
+    } else {
+      const float rest = __fsub_rn(dl, __fmul_rn(at1, widen(hi)));
+      narrow(__fdiv_rn(rest, at2), &lo);
     }
-    const float rest = __fsub_rn(part, __fmul_rn(at1, widen(hi)));
-    narrow(__fdiv_rn(rest, at2), &lo);
     T zero;
     narrow(0.0f, &zero);
     T* y = out + row * d;
     for (int64_t c = lane; c < d; c += kWarp) {
       T other = zero;
-      if (spread) {
-        const float v = widen(x[c]);
-        narrow(__fmul_rn(v > 0.0f ? 1.0f : (v < 0.0f ? -1.0f : 0.0f), widen(share)), &other);
-      }
+      if (spread) narrow(__fmul_rn(sign_of(widen(x[c])), widen(share)), &other);
       y[c] = c == top.i1 ? hi : (c == top.i2 ? lo : other);
     }
   }

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from ..runtime.ops import row_dot16, stand_in16
+from ..runtime.stand_in import host_as_device
 
 __all__ = ["row_dot", "row_dot_torch", "stand_in", "stand_in_torch"]
 
@@ -119,24 +120,32 @@ def stand_in_torch(dout: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     hi = (delta / at[..., 0]).to(dout.dtype)
     if not two:
         return torch.zeros_like(dout).scatter_(-1, top, hi.unsqueeze(-1))
-    x = torch.zeros_like(dout).scatter_(-1, top, _two(delta, at, top, hi))
-    return torch.where((hi.isinf() & delta.isfinite()).unsqueeze(-1), _spread(dout, delta, at, top), x)
-
-
-def _two(delta: torch.Tensor, at: torch.Tensor, top: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
-    """The values at the two largest entries: ``hi``, then what the rounded ``hi`` misses."""
-    rest = delta - at[..., 0] * hi
-    return torch.stack([hi, (rest / at[..., 1]).to(hi.dtype)], dim=-1)
+    rest = delta - at[..., 0] * hi  # what the rounded first entry misses
+    x = torch.zeros_like(dout).scatter_(-1, top, torch.stack([hi, (rest / at[..., 1]).to(dout.dtype)], dim=-1))
+    over = hi.isinf() & delta.isfinite()
+    device = dout.is_cuda or host_as_device()
+    if device and dout.dtype == torch.bfloat16:  # bf16 has fp32's range: no read-back to look
+        return x
+    if not device and not bool(over.any()):  # a host read is free on CPU
+        return x
+    return torch.where(over.unsqueeze(-1), _spread(dout, delta, at, top), x)
 
 
 def _spread(dout: torch.Tensor, delta: torch.Tensor, at: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
     """The stand-in of rows whose ``delta / dout_k`` overflows the 16-bit dtype (fp16 rows whose
-    output magnitudes sum past 65504): every other entry ``d`` carries ``sign(dout_d) * c``, the
-    rounded ``c = delta / sum_d |dout_d|`` (at most the row's largest ``|out_d|``, so it fits),
-    and the two largest entries carry what that misses, as in the other rows."""
-    mag = dout.abs().to(delta.dtype).scatter_(-1, top, 0)
-    s_rest = mag.sum(-1)
-    c = (delta / (s_rest + at.abs().sum(-1))).to(dout.dtype)
-    part = delta - c.to(delta.dtype) * s_rest
-    x = (torch.sign(dout) * c.unsqueeze(-1)).to(dout.dtype)
-    return x.scatter_(-1, top, _two(part, at, top, (part / at[..., 0]).to(dout.dtype)))
+    output magnitudes sum past 65504): every entry ``d`` carries ``sign(dout_d) * share``, the
+    rounded ``share = delta / sum_d |dout_d|`` (at most the row's largest ``|out_d|``, so it
+    fits), and the two largest entries add what that misses, the second what the first's
+    rounding misses. The row term is then within a rounding of the second entry's value,
+    ``2^-11 * share * |dout_l|`` (``l`` the second largest entry): about 5e-6 of the row's
+    magnitude where ``dout`` is spread, a rounding of it where two entries hold it all."""
+    wide = delta.dtype
+    s_all = dout.abs().to(wide).sum(-1)
+    share = (delta / s_all).to(dout.dtype)
+    x = (torch.sign(dout) * share.unsqueeze(-1)).to(dout.dtype)
+    base = x.gather(-1, top).to(wide)
+    r = delta - share.to(wide) * s_all
+    first = (base[..., 0] + r / at[..., 0]).to(dout.dtype)
+    r = r - at[..., 0] * (first.to(wide) - base[..., 0])
+    second = (base[..., 1] + r / at[..., 1]).to(dout.dtype)
+    return x.scatter_(-1, top, torch.stack([first, second], dim=-1))

@@ -47,22 +47,37 @@ def test_stand_in_gives_the_row_term(dtype):
     assert torch.equal(x[3], torch.zeros_like(x[3]))
 
 
-def test_stand_in_of_rows_past_the_fp16_range():
-    """fp16 outputs whose magnitudes sum past 65504 (|out| ~ 2000, Dv 64) under a flat ``dout``:
-    ``delta / dout_k`` overflows fp16, so those rows spread the term over every entry (the
-    largest two carry what the rounded share misses). Finite, and as precise as other rows;
-    rows in range keep their two entries. Before, the a2a backward's dq and dk were NaN."""
+@pytest.mark.parametrize("mag", [2000.0, 40000.0])
+def test_stand_in_of_rows_past_the_fp16_range(mag):
+    """fp16 outputs whose magnitudes sum past 65504 (|out| ~ 2000 and ~ 40000 at Dv 64, and
+    rows where two ``dout`` entries hold it all): ``delta / dout_k`` overflows fp16, so those
+    rows spread the term over every entry, signs, +0 and -0 included. Finite, and within
+    ``2^-11 * share * |dout_l|`` of the row term (``l`` the second largest entry); rows in
+    range keep their two entries. Before, the a2a backward's dq and dk were NaN."""
     g = torch.Generator().manual_seed(2)
-    dout = (1 + 0.1 * torch.randn(32, 2, 64, generator=g)).half()
-    out = (2000 + torch.randn(32, 2, 64, generator=g)).half()
+    sign = torch.randn(32, 2, 64, generator=g).sign()
+    dout = (sign * (1 + 0.1 * torch.randn(32, 2, 64, generator=g))).half()
+    dout[6:8, :, 5] = 0.0
+    dout[6:8, :, 6] = -0.0
+    dout[8:10] = 0
+    dout[8:10, :, 3], dout[8:10, :, 9] = 1e-3, -1e-3  # two entries hold the row
+    out = (sign * (mag + torch.randn(32, 2, 64, generator=g))).half()  # signs as dout's: no cancelling
+    out[8:10, :, 3], out[8:10, :, 9] = mag, -mag
     out[:4] = torch.randn(4, 2, 64, generator=g).half()  # rows in range
     delta = row_dot(dout, out)
     x = stand_in(dout, delta)
     assert torch.isfinite(x).all()
     got = (dout.double() * x.double()).sum(-1)
+    top2 = dout.double().abs().topk(2, dim=-1).values
+    over = (delta / top2[..., 0]).half().isinf()
+    assert over[4:8].all() and over[8:10].all() == (mag > 32752) and not over[:4].any()
+    share = delta.double() / dout.double().abs().sum(-1)
+    bound = 2.0**-11 * share.abs() * top2[..., 1]  # a rounding of the second entry's value
+    assert ((got - delta.double()).abs() <= bound)[over].all()
     scale = (dout.double() * out.double()).abs().sum(-1)
-    assert ((got - delta.double()).abs() / scale).max() <= PRECISION[torch.float16]
-    assert ((x[:4] != 0).sum(-1) <= 2).all() and ((x[4:] != 0).sum(-1) == 64).all()
+    assert ((got - delta.double()).abs() / scale)[~over].max() <= PRECISION[torch.float16]
+    assert ((x != 0).sum(-1) <= 2)[~over].all()
+    assert torch.equal(x[6:8, :, 5:7], torch.zeros_like(x[6:8, :, 5:7]))  # sign(+-0) * share
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
