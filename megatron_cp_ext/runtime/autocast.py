@@ -19,6 +19,8 @@ __all__ = ["autocast_off"]
 
 F = TypeVar("F", bound=Callable)
 
+_AVAILABLE = getattr(torch.amp, "is_autocast_available", lambda device: device in ("cpu", "cuda"))
+
 
 def autocast_off(fn: F) -> F:
     """``fn`` run with autocast off on the device of its first tensor argument, where it is on
@@ -27,7 +29,7 @@ def autocast_off(fn: F) -> F:
     @functools.wraps(fn)
     def run(*args, **kwargs):
         device = next((a.device.type for a in args if isinstance(a, torch.Tensor)), None)
-        if device is None or not torch.is_autocast_enabled(device):
+        if device is None or not _AVAILABLE(device) or not torch.is_autocast_enabled(device):  # meta: none
             return fn(*args, **kwargs)
         with torch.autocast(device, enabled=False):
             return fn(*args, **kwargs)

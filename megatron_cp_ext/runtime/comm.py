@@ -61,9 +61,11 @@ def _start(group: dist.ProcessGroup) -> None:
     (torch's note on ``batch_isend_irecv``). A ring step posts nothing on a rank with nothing
     to move, so such a first batch could wait forever on the others. Every rank of a group
     builds its :class:`Peers` at the same point of a layer, so all of them run this once, there."""
-    if dist.get_backend(group) in START_BACKENDS:
-        nccl = dist.get_backend(group) == "nccl"
-        device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    # "nccl", or a per-device config such as "cpu:gloo,cuda:nccl" (init_process_group's default)
+    names = {part.rsplit(":", 1)[-1] for part in str(dist.get_backend(group)).split(",")}
+    hit = names & set(START_BACKENDS)
+    if hit:
+        device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in hit else torch.device("cpu")
         dist.all_reduce(torch.zeros(1, device=device), group=group)
     _STARTED[group] = True
 

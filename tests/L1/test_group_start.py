@@ -53,3 +53,22 @@ def test_each_group_starts_once_before_its_first_batch(monkeypatch, comm_type: s
             if kind == "post":
                 assert ("start", g) in rank_events[:i], "a batch before its group's start"
         assert any(kind == "post" for kind, _ in rank_events)
+
+
+def test_a_per_device_backend_config_counts(monkeypatch) -> None:
+    """``init_process_group()`` without a backend reports ``"cpu:gloo,cuda:nccl"``: its NCCL
+    half needs the start as plain ``"nccl"`` does; plain gloo does not."""
+
+    class Group:  # weakly referable, hashed by identity, as a ProcessGroup
+        pass
+
+    seen = []
+    monkeypatch.setattr(comm.dist, "all_reduce", lambda t, group=None: seen.append(group))
+    monkeypatch.setattr(comm.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(comm.torch, "zeros", lambda n, device: device)  # no CUDA here: the device it asks for
+    for backend, started in (("cpu:gloo,cuda:nccl", True), ("nccl", True), ("gloo", False)):
+        group = Group()
+        monkeypatch.setattr(comm.dist, "get_backend", lambda g, b=backend: b)
+        comm._start(group)
+        assert seen == ([group] if started else []) and group in comm._STARTED, backend
+        seen.clear()
