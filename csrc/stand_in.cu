@@ -9,7 +9,8 @@
 // term over every entry, below.) The choice of k and l, and every rounding, is the torch form's:
 // the largest magnitude first, NaN above every number, the lower index on ties; IEEE
 // division and products with no contraction into an fma; round-to-nearest-even to 16 bits.
-// So the result is the fallback's to the bit (tests/gpu/test_ops_compile.py).
+// So the result is the fallback's to the bit (tests/gpu/test_ops_compile.py), but for rows
+// spread because their term overflows the type (their share: a rounding apart, see below).
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -26,6 +27,10 @@ __device__ __forceinline__ float widen(__half v) { return __half2float(v); }
 __device__ __forceinline__ float widen(__nv_bfloat16 v) { return __bfloat162float(v); }
 __device__ __forceinline__ void narrow(float v, __half* out) { *out = __float2half_rn(v); }
 __device__ __forceinline__ void narrow(float v, __nv_bfloat16* out) { *out = __float2bfloat16_rn(v); }
+
+// The type's largest finite value, as torch.finfo(dtype).max.
+__device__ __forceinline__ float max_of(__half) { return 65504.0f; }
+__device__ __forceinline__ float max_of(__nv_bfloat16) { return 3.38953139e38f; }
 
 // torch.sign of a finite value: -1, 0 (either zero) or 1.
 __device__ __forceinline__ float sign_of(float v) { return v > 0.0f ? 1.0f : (v < 0.0f ? -1.0f : 0.0f); }
@@ -102,10 +107,11 @@ __global__ void stand_in_kernel(
       const float sh = widen(share);
       const float b1 = __fmul_rn(sign_of(widen(x[top.i1])), sh);
       const float b2 = __fmul_rn(sign_of(widen(x[top.i2])), sh);
+      const float big = max_of(share);  // near it, a share rounded down leaves more than one entry takes
       float r = __fsub_rn(dl, __fmul_rn(sh, s_all));
-      narrow(__fadd_rn(b1, __fdiv_rn(r, at1)), &hi);
+      narrow(fminf(fmaxf(__fadd_rn(b1, __fdiv_rn(r, at1)), -big), big), &hi);
       r = __fsub_rn(r, __fmul_rn(at1, __fsub_rn(widen(hi), b1)));
-      narrow(__fadd_rn(b2, __fdiv_rn(r, at2)), &lo);
+      narrow(fminf(fmaxf(__fadd_rn(b2, __fdiv_rn(r, at2)), -big), big), &lo);
     } else {
       const float rest = __fsub_rn(dl, __fmul_rn(at1, widen(hi)));
       narrow(__fdiv_rn(rest, at2), &lo);

@@ -47,27 +47,30 @@ class Message(NamedTuple):
 
 
 _STARTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-"""Groups whose communicator :func:`_start` has made (weakly held)."""
+"""Per group (weakly held): the device types :func:`_start` has looked at."""
 
 START_BACKENDS = ("nccl",)
 """Backends whose communicator a group's first operation creates, all its ranks together."""
 
 
-def _start(group: dist.ProcessGroup) -> None:
-    """One tiny all-reduce over ``group``, before its first batch of sends and receives.
+def _start(group: dist.ProcessGroup, device: torch.device) -> None:
+    """One tiny all-reduce over ``group`` on ``device``, before its first batch of sends and
+    receives there, where the group's backend for that device is one of :data:`START_BACKENDS`.
 
     NCCL creates a group's communicator at the group's first operation, and a batch of sends
     and receives may be that first operation only if every rank of the group takes part in it
     (torch's note on ``batch_isend_irecv``). A ring step posts nothing on a rank with nothing
     to move, so such a first batch could wait forever on the others. Every rank of a group
     builds its :class:`Peers` at the same point of a layer, so all of them run this once, there."""
-    # "nccl", or a per-device config such as "cpu:gloo,cuda:nccl" (init_process_group's default)
-    names = {part.rsplit(":", 1)[-1] for part in str(dist.get_backend(group)).split(",")}
-    hit = names & set(START_BACKENDS)
-    if hit:
-        device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in hit else torch.device("cpu")
+    seen = _STARTED.setdefault(group, set())
+    if device.type in seen:
+        return
+    # "nccl", or a per-device config such as "cpu:gloo,cuda:nccl"
+    config = str(dist.get_backend(group)).split(",")
+    backends = dict(part.split(":", 1) if ":" in part else (device.type, part) for part in config)
+    if backends.get(device.type) in START_BACKENDS:
         dist.all_reduce(torch.zeros(1, device=device), group=group)
-    _STARTED[group] = True
+    seen.add(device.type)
 
 
 class Peers:
@@ -81,11 +84,11 @@ class Peers:
     Zero-size tensors are skipped (both ends know the sizes from the plan).
     """
 
-    def __init__(self, group: dist.ProcessGroup, tag: int = 0) -> None:
+    def __init__(self, group: dist.ProcessGroup, tag: int = 0, device: torch.device | None = None) -> None:
         self.group = group
         self.tag = tag
-        if group not in _STARTED:
-            _start(group)
+        if device is not None:  # the device its messages move on: the group started there (:func:`_start`)
+            _start(group, device)
         self._global = global_ranks(group)
         self._direct: dict[str, bool] = {}
         """Per device type: whether sends and receives go straight to the process group."""

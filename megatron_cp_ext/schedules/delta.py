@@ -94,7 +94,8 @@ def stand_in(dout: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     ``dout``: ``[T, h, Dv]``; ``delta``: ``[T, h]`` in the accumulator dtype. One entry per row
     where the input is fp32 or fp64 (its rounding is the input's own), two for 16-bit inputs.
     A zero ``dout_k`` divides by 1 instead (``delta`` is 0 there, or the entry adds nothing).
-    16-bit rows on CUDA run the csrc kernel where it is built, to the bit the same."""
+    16-bit rows on CUDA run the csrc kernel where it is built, to the bit the same (rows whose
+    term overflows the dtype, spread over every entry, to a rounding of their share)."""
     if dout.element_size() < 4 and dout.shape[-1] > 1:
         got = _stand_in16(dout, delta)
         if got is not None:
@@ -123,7 +124,7 @@ def stand_in_torch(dout: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     rest = delta - at[..., 0] * hi  # what the rounded first entry misses
     x = torch.zeros_like(dout).scatter_(-1, top, torch.stack([hi, (rest / at[..., 1]).to(dout.dtype)], dim=-1))
     over = hi.isinf() & delta.isfinite()
-    device = dout.is_cuda or host_as_device()
+    device = dout.device.type != "cpu" or host_as_device()  # no host read off the CPU (meta included)
     if device and dout.dtype == torch.bfloat16:  # bf16 has fp32's range: no read-back to look
         return x
     if not device and not bool(over.any()):  # a host read is free on CPU
@@ -138,14 +139,18 @@ def _spread(dout: torch.Tensor, delta: torch.Tensor, at: torch.Tensor, top: torc
     fits), and the two largest entries add what that misses, the second what the first's
     rounding misses. The row term is then within a rounding of the second entry's value,
     ``2^-11 * share * |dout_l|`` (``l`` the second largest entry): about 5e-6 of the row's
-    magnitude where ``dout`` is spread, a rounding of it where two entries hold it all."""
+    magnitude where ``dout`` is spread, a rounding of it where two entries hold it all. Within
+    a rounding of the dtype's largest value the two entries saturate there instead of
+    overflowing: the term then misses by up to a rounding of the share, ``2^-11`` of the row's
+    magnitude."""
     wide = delta.dtype
     s_all = dout.abs().to(wide).sum(-1)
     share = (delta / s_all).to(dout.dtype)
     x = (torch.sign(dout) * share.unsqueeze(-1)).to(dout.dtype)
     base = x.gather(-1, top).to(wide)
     r = delta - share.to(wide) * s_all
-    first = (base[..., 0] + r / at[..., 0]).to(dout.dtype)
+    big = torch.finfo(dout.dtype).max  # near it, a share rounded down leaves more than one entry can take
+    first = (base[..., 0] + r / at[..., 0]).clamp_(-big, big).to(dout.dtype)
     r = r - at[..., 0] * (first.to(wide) - base[..., 0])
-    second = (base[..., 1] + r / at[..., 1]).to(dout.dtype)
+    second = (base[..., 1] + r / at[..., 1]).clamp_(-big, big).to(dout.dtype)
     return x.scatter_(-1, top, torch.stack([first, second], dim=-1))

@@ -172,7 +172,7 @@ def forward(
     acc = OutAcc(q, v.shape[-1])
     walk = _walk(run.plan, q.device)
     own, slots = KV(k, v, kv), walk.slots
-    peers = Peers(run.group, _KV_TAG) if run.group is not None else None
+    peers = Peers(run.group, _KV_TAG, q.device) if run.group is not None else None
     n = len(slots)
     split = use_split(q.shape[0], q.shape[1], v.shape[-1], q.element_size())
     pending = _post(peers, own, slots[1]) if n > 1 else None
@@ -296,7 +296,7 @@ def _backward(
     q = saved[1]
     walk = _walk(run.plan, q.device)
     slots, n = walk.slots, len(walk.slots)
-    peers = Peers(run.group, _KV_TAG) if run.group is not None else None
+    peers = Peers(run.group, _KV_TAG, q.device) if run.group is not None else None
     dq = GradAcc(q, into[0] if into else None)
     dtype = acc_dtype(q)
     # made on first use (adopting a whole kernel output), or ``into``'s

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..runtime.comm import Message, Peers
+from ..runtime.comm import Message, Peers, _start
 
 __all__ = ["Route", "routed", "worth", "to_group", "from_group", "MIN_BYTES", "CPU_MIN_BYTES"]
 
@@ -99,15 +99,16 @@ def routed(route: Route | None, group, row_bytes: int, device: torch.device) -> 
 _PEERS: dict = {}
 
 
-def _peers(group) -> Peers:
+def _peers(group, device: torch.device) -> Peers:
     p = _PEERS.get(id(group))
     if p is None or p.group is not group:
         p = _PEERS[id(group)] = Peers(group, _TAG)
+    _start(group, device)  # once per group and device type (every member routes the same moves)
     return p
 
 
-def _exchange(group, sends: list[Message], recvs: list[Message]) -> None:
-    Peers.wait(_peers(group).post(sends, recvs))
+def _exchange(group, sends: list[Message], recvs: list[Message], device: torch.device) -> None:
+    Peers.wait(_peers(group, device).post(sends, recvs))
 
 
 def to_group(xs: tuple[torch.Tensor, ...], parts: tuple[Range, ...], me: int, group, route: Route) -> torch.Tensor:
@@ -133,7 +134,7 @@ def to_group(xs: tuple[torch.Tensor, ...], parts: tuple[Range, ...], me: int, gr
             _columns(out[r : r + n], [x[s : s + n, a0:a1] for x in xs])
         elif a1 > a0:
             recvs.append(Message(o, out[r : r + n], _TAG))
-    _exchange(group, sends, recvs)
+    _exchange(group, sends, recvs, xs[0].device)
     return out
 
 
@@ -175,5 +176,5 @@ def from_group(ys: list[torch.Tensor], parts: tuple[Range, ...], me: int, group,
         elif mine:
             sends += [Message(o, y[r : r + n], _TAG) for y in ys]
     ys.clear()
-    _exchange(group, sends, recvs)
+    _exchange(group, sends, recvs, bufs[0].device)
     return bufs, views

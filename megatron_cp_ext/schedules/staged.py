@@ -100,7 +100,7 @@ def _exchange(run: Run, own: KV) -> tuple[KV | None, list, list]:
     where nothing needs one."""
     st: StagedPlan = run.plan.staged
     joined = _buffer(own, st.rows)[0] if st.rows else None
-    batch, packed = _post_kv(Peers(run.group, _KV_TAG), run.plan, own, joined)
+    batch, packed = _post_kv(Peers(run.group, _KV_TAG, own.k.device), run.plan, own, joined)
     if joined is not None:
         for dst, src in zip(_tensors(joined), _tensors(own)):
             _move_into(dst, src, st.own)
@@ -214,7 +214,7 @@ def _backward(run: Run, saved: tuple, kv: KV, into: tuple | None = None) -> tupl
     plan, q = run.plan, saved[1]
     device = q.device
     st: StagedPlan = plan.staged
-    peers = Peers(run.group, _KV_TAG)
+    peers = Peers(run.group, _KV_TAG, device)
     joined, batch, packed = _exchange(run, kv)
     if st.once:
         dq = PlacedGrad(q, st.covered, into[0] if into else None)

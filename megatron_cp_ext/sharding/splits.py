@@ -157,7 +157,9 @@ def packed_rows(rows: CPSharding, layer: str, fix: str) -> str | None:
         return (
             f"CP split mismatch: data of {len(cu) - 1} rows of {cu[1]} tokens (CP {rows.cp_size}) was split as "
             f"packed (thd) sequences by {describe(data[-1])}, but the attention layer would use {layer}: a "
-            f"rank's rows would hold the sequences' chunks in another order. {fix}"
+            f"rank's rows would hold the sequences' chunks in another order. {fix} (The record is per cu_seqlens: "
+            "if that was another batch's thd split, call megatron_cp_ext.sharding.splits.clear() where the data "
+            "changes, e.g. before evaluation.)"
         )
     rows._cache["rows_gen"] = gen
     return None

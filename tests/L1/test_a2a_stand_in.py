@@ -80,6 +80,24 @@ def test_stand_in_of_rows_past_the_fp16_range(mag):
     assert torch.equal(x[6:8, :, 5:7], torch.zeros_like(x[6:8, :, 5:7]))  # sign(+-0) * share
 
 
+@pytest.mark.parametrize("dv", [64, 128])
+def test_stand_in_of_rows_at_the_fp16_maximum(dv):
+    """Outputs at fp16's largest values (65472 and 65504) under a flat ``dout``: the share,
+    rounded down, leaves more than the top entry can take; the two entries saturate at 65504
+    instead of overflowing (they did: dq and dk NaN again), and the term misses by at most a
+    rounding of the share (2^-11 of the row's magnitude)."""
+    g = torch.Generator().manual_seed(4)
+    sign = torch.randn(64, 1, dv, generator=g).sign()
+    dout = (sign * (1 + 0.01 * torch.randn(64, 1, dv, generator=g))).half()
+    out = sign * torch.where(torch.rand(64, 1, dv, generator=g) < 0.5, 65472.0, 65504.0)
+    delta = row_dot(dout, out.half())
+    x = stand_in(dout, delta)
+    assert torch.isfinite(x).all()
+    got = (dout.double() * x.double()).sum(-1)
+    scale = (dout.double() * out.double()).abs().sum(-1)
+    assert ((got - delta.double()).abs() / scale).max() <= 2.0**-11
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_gradients_match_the_moved_output(dtype):
     """Values almost alike over the keys make ``dout . v`` nearly constant, so the backward's
@@ -117,9 +135,9 @@ def _counting(orig):
 
 
 def _counting_runs(orig):
-    def exchange(group, sends, recvs):
+    def exchange(group, sends, recvs, *device):
         _SENT.bytes = getattr(_SENT, "bytes", 0) + sum(m.tensor.numel() * m.tensor.element_size() for m in sends)
-        return orig(group, sends, recvs)
+        return orig(group, sends, recvs, *device)
 
     return exchange
 

@@ -7,6 +7,7 @@ import collections
 import threading
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from megatron_cp_ext.runtime import comm
@@ -56,19 +57,23 @@ def test_each_group_starts_once_before_its_first_batch(monkeypatch, comm_type: s
 
 
 def test_a_per_device_backend_config_counts(monkeypatch) -> None:
-    """``init_process_group()`` without a backend reports ``"cpu:gloo,cuda:nccl"``: its NCCL
-    half needs the start as plain ``"nccl"`` does; plain gloo does not."""
+    """A per-device config (``"cpu:gloo,cuda:nccl"``) starts the group where its messages move
+    on NCCL (CUDA tensors), not where they move on gloo (CPU tensors); plain ``"nccl"`` on CUDA
+    starts it, plain gloo does not. Each once per group and device type."""
 
     class Group:  # weakly referable, hashed by identity, as a ProcessGroup
         pass
 
     seen = []
     monkeypatch.setattr(comm.dist, "all_reduce", lambda t, group=None: seen.append(group))
-    monkeypatch.setattr(comm.torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(comm.torch, "zeros", lambda n, device: device)  # no CUDA here: the device it asks for
-    for backend, started in (("cpu:gloo,cuda:nccl", True), ("nccl", True), ("gloo", False)):
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    cases = [("cpu:gloo,cuda:nccl", cuda, True), ("cpu:gloo,cuda:nccl", cpu, False), ("nccl", cuda, True),
+             ("gloo", cpu, False)]  # fmt: skip
+    for backend, device, started in cases:
         group = Group()
         monkeypatch.setattr(comm.dist, "get_backend", lambda g, b=backend: b)
-        comm._start(group)
-        assert seen == ([group] if started else []) and group in comm._STARTED, backend
+        comm._start(group, device)
+        comm._start(group, device)  # once
+        assert seen == ([group] if started else []), (backend, device)
         seen.clear()

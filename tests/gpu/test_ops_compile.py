@@ -111,7 +111,7 @@ def test_stand_in_kernel_is_the_torch_form(dtype, shape):
     assert ops.stand_in16(dout.float(), delta) is None and ops.stand_in16(dout[..., :1], delta) is None
 
 
-@pytest.mark.parametrize("mag", [2000.0, 40000.0])
+@pytest.mark.parametrize("mag", [2000.0, 40000.0, 65400.0])
 def test_stand_in_kernel_spreads_rows_past_the_fp16_range(mag):
     """fp16 rows whose ``delta / dout_k`` overflows (|out| ~ 2000 and ~ 40000, Dv 128, mixed
     signs): the kernel spreads the term like the torch form; finite, within a rounding of the
@@ -132,4 +132,6 @@ def test_stand_in_kernel_spreads_rows_past_the_fp16_range(mag):
     top2 = dout.double().abs().topk(2, dim=-1).values
     share = delta.double() / dout.double().abs().sum(-1)
     term = (dout.double() * got.double()).sum(-1)
-    assert ((term - delta.double()).abs() <= 2.0**-11 * share.abs() * top2[..., 1])[50:].all()
+    near_max = mag > 60000  # the top two may saturate there: the term misses by a rounding of the share
+    bound = 2.0**-11 * share.abs() * (dout.double().abs().sum(-1) if near_max else top2[..., 1])
+    assert ((term - delta.double()).abs() <= bound)[50:].all()
