@@ -259,8 +259,7 @@ def check_split(ctx: CPBatchContext) -> None:
 
 MEGATRON_FIX = (
     "Give the layer the data's split: PackedSeqParams from megatron_cp_ext.megatron.make_packed_seq_params(cu_seqlens, "
-    "cp_group=<the CP group>, sharding=<the sharding that split the data>), or split and build both with "
-    "shard_batch_for_cp"
+    "cp_group=<the CP group>, sharding=<the data's sharding>), or split and build both with shard_batch_for_cp"
 )
 """What a Megatron layer's split-mismatch message tells the user to do."""
 
