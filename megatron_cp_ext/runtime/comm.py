@@ -18,7 +18,8 @@ import torch.distributed._functional_collectives as funcol
 
 from . import inflight
 
-__all__ = ["Message", "Peers", "Batch", "all_gather_padded", "reduce_scatter_padded", "exchange_ints", "global_ranks"]
+__all__ = ["Message", "Peers", "Batch", "start_group", "all_gather_padded", "reduce_scatter_padded", "exchange_ints"]
+__all__ += ["global_ranks"]
 
 _GLOBAL_RANKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 """Per process group (weakly held, like :mod:`.groups`' cache)."""
@@ -47,13 +48,13 @@ class Message(NamedTuple):
 
 
 _STARTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-"""Per group (weakly held): the device types :func:`_start` has looked at."""
+"""Per group (weakly held): the device types :func:`start_group` has looked at."""
 
 START_BACKENDS = ("nccl",)
 """Backends whose communicator a group's first operation creates, all its ranks together."""
 
 
-def _start(group: dist.ProcessGroup, device: torch.device) -> None:
+def start_group(group: dist.ProcessGroup, device: torch.device) -> None:
     """One tiny all-reduce over ``group`` on ``device``, before its first batch of sends and
     receives there, where the group's backend for that device is one of :data:`START_BACKENDS`.
 
@@ -87,8 +88,8 @@ class Peers:
     def __init__(self, group: dist.ProcessGroup, tag: int = 0, device: torch.device | None = None) -> None:
         self.group = group
         self.tag = tag
-        if device is not None:  # the device its messages move on: the group started there (:func:`_start`)
-            _start(group, device)
+        if device is not None:  # its messages' device: the group is started there (:func:`start_group`)
+            start_group(group, device)
         self._global = global_ranks(group)
         self._direct: dict[str, bool] = {}
         """Per device type: whether sends and receives go straight to the process group."""

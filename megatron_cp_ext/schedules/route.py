@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..runtime.comm import Message, Peers, _start
+from ..runtime.comm import Message, Peers, start_group
 
 __all__ = ["Route", "routed", "worth", "to_group", "from_group", "MIN_BYTES", "CPU_MIN_BYTES"]
 
@@ -103,7 +103,7 @@ def _peers(group, device: torch.device) -> Peers:
     p = _PEERS.get(id(group))
     if p is None or p.group is not group:
         p = _PEERS[id(group)] = Peers(group, _TAG)
-    _start(group, device)  # once per group and device type (every member routes the same moves)
+    start_group(group, device)  # once per group and device type (every member routes the same moves)
     return p
 
 

@@ -73,7 +73,7 @@ def test_a_per_device_backend_config_counts(monkeypatch) -> None:
     for backend, device, started in cases:
         group = Group()
         monkeypatch.setattr(comm.dist, "get_backend", lambda g, b=backend: b)
-        comm._start(group, device)
-        comm._start(group, device)  # once
+        comm.start_group(group, device)
+        comm.start_group(group, device)  # once
         assert seen == ([group] if started else []), (backend, device)
         seen.clear()
