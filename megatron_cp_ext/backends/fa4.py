@@ -18,6 +18,7 @@ them on disk between runs. :func:`compile_counts` says how many configurations w
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import threading
 from typing import Any
@@ -75,9 +76,10 @@ def compile_counts() -> dict:
     }
 
 
-def _config(bwd: bool, q, k, v, causal, window) -> tuple:
+def _config(bwd: bool, q, k, v, causal, window, det: bool = False) -> tuple:
     cfg = fa.compile_config(bwd=bwd, dtype=q.dtype, d=q.shape[-1], dv=v.shape[-1], gqa=q.shape[1] // k.shape[1],
                             causal=causal, window=window)  # fmt: skip
+    cfg = (*cfg, "deterministic") if det else cfg
     if cfg not in _SEEN:
         with _LOCK:
             _SEEN.add(cfg)
@@ -100,6 +102,16 @@ def _refused(cfg: tuple, exc: BaseException):
         log.warning("fa4 candidate: call refused, falling back (%s): %s", cfg, str(exc).splitlines()[0][:300])
     _, dtype, d, dv = cfg[:4]
     return flash if flash.supports(False, (-1, -1), dtype, d, dv) else reference
+
+
+@functools.cache
+def _takes_deterministic(bwd_fn: Any) -> bool:
+    """Whether this FA4's backward has a ``deterministic`` argument (later releases do; without
+    it dQ is accumulated with atomics, in no fixed order)."""
+    try:
+        return "deterministic" in inspect.signature(bwd_fn).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def _dense(x: torch.Tensor) -> torch.Tensor:
@@ -130,16 +142,23 @@ def attn_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ca
 def attn_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, scale):
     if q.shape[0] == 0 or k.shape[0] == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    cfg = _config(True, q, k, v, causal, window)
+    # torch.use_deterministic_algorithms: FA4's deterministic backward (its own kernel, so its own
+    # configuration), or, where this FA4 has none, the fallback (FA2 honours the flag)
+    det = torch.are_deterministic_algorithms_enabled()
+    cfg = _config(True, q, k, v, causal, window, det)
     m = fa.mask(causal, window)
     args = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, scale)
     if cfg not in _REFUSED:
         try:
-            dq, dk, dv, *_ = _interface()._flash_attn_bwd(
+            bwd = _interface()._flash_attn_bwd
+            if det and not _takes_deterministic(bwd):
+                raise NotImplementedError("this flash_attn.cute backward has no deterministic mode")
+            dq, dk, dv, *_ = bwd(
                 _dense(q), _dense(k), _dense(v), _dense(out.to(q.dtype)), _dense(dout.to(q.dtype)),
                 fa.kernel_lse(lse), softmax_scale=float(scale), causal=m.causal, window_size_left=m.left,
                 window_size_right=m.right, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                 max_seqlen_q=int(max_seqlen_q), max_seqlen_k=int(max_seqlen_k),
+                **({"deterministic": True} if det else {}),
             )  # fmt: skip
             return dq, dk, dv
         except _REFUSALS as exc:

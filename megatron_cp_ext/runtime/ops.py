@@ -170,15 +170,21 @@ def gather_rows(x_T: torch.Tensor, idx_N: torch.Tensor) -> torch.Tensor:
     return gather_rows_torch(x_T, idx_N)
 
 
-def index_add_rows(acc_T: torch.Tensor, idx_N: torch.Tensor, src_N: torch.Tensor) -> None:
-    """``acc_T[idx_N] += src_N`` in place; repeated indices accumulate."""
-    if not HAS_CUDA_EXT or acc_T.device.type != "cuda":
-        index_add_rows_torch(acc_T, idx_N, src_N)
-        return
+def _add_kernel(acc_T: torch.Tensor, idx_N: torch.Tensor, src_N: torch.Tensor) -> bool:
+    """Whether :func:`index_add_rows` takes the CUDA kernel. Not under
+    ``torch.use_deterministic_algorithms``: the kernel adds with atomics, so repeated indices
+    sum in no fixed order, while torch's ``index_add_`` has a deterministic CUDA path."""
+    if not HAS_CUDA_EXT or acc_T.device.type != "cuda" or torch.are_deterministic_algorithms_enabled():
+        return False
     dtypes_ok = (acc_T.dtype == src_N.dtype and acc_T.dtype in _FLOATS) or (
         acc_T.dtype == torch.float32 and src_N.dtype in _HALVES
     )
-    if dtypes_ok and acc_T.dim() >= 1 and _is_index(idx_N) and _use_kernel(acc_T, idx_N, src_N):
+    return dtypes_ok and acc_T.dim() >= 1 and _is_index(idx_N) and _use_kernel(acc_T, idx_N, src_N)
+
+
+def index_add_rows(acc_T: torch.Tensor, idx_N: torch.Tensor, src_N: torch.Tensor) -> None:
+    """``acc_T[idx_N] += src_N`` in place; repeated indices accumulate."""
+    if _add_kernel(acc_T, idx_N, src_N):
         torch.ops.megatron_cp_ext.index_add_rows_(acc_T, idx_N, src_N)
     else:
         index_add_rows_torch(acc_T, idx_N, src_N)

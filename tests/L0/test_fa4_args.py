@@ -226,3 +226,47 @@ def test_refused_call_falls_back_once(emulated, monkeypatch, caplog, error):
     torch.testing.assert_close(lse, want_lse.float())
     assert sum("fa4 candidate: call refused" in r.message for r in caplog.records) == 1
     assert fa4.compile_counts() == {"fwd": 1, "bwd": 0, "refused": 1}
+
+
+def test_deterministic_backward(emulated, monkeypatch, caplog):
+    """Under ``torch.use_deterministic_algorithms`` the backward asks FA4 for its deterministic
+    kernel; an FA4 without one sends only those calls to the fallback (one logged line), and
+    the same configuration without the flag still runs on FA4."""
+    q, k, v = torch.randn(10, 2, 8), torch.randn(12, 2, 8), torch.randn(12, 2, 8)
+    cu_q, cu_k = torch.tensor([0, 4, 10], dtype=torch.int32), torch.tensor([0, 6, 12], dtype=torch.int32)
+    args = (cu_q, cu_k, 6, 6, True, (-1, 0), 0.3)
+    out, lse = reference.attn_fwd(q, k, v, *args)
+    dout = torch.randn_like(out)
+    want = reference.attn_bwd(dout, q, k, v, out, lse, *args)
+    calls = []
+
+    def fa4_bwd(*a, deterministic: bool = False, **kw):
+        calls.append(deterministic)
+        return _bwd(*a, **kw)
+
+    def old_bwd(*a, **kw):
+        calls.append("old")
+        return _bwd(*a, **kw)
+
+    was = torch.are_deterministic_algorithms_enabled()
+    try:
+        for bwd in (fa4_bwd, old_bwd):
+            monkeypatch.setattr(fa4, "_interface", lambda b=bwd: types.SimpleNamespace(_flash_attn_bwd=b))
+            monkeypatch.setattr(fa4, "_REFUSED", set())
+            calls.clear()
+            with caplog.at_level(logging.WARNING, logger="megatron_cp_ext.kernels"):
+                caplog.clear()
+                torch.use_deterministic_algorithms(True)
+                for _ in range(2):
+                    got = fa4.attn_bwd(dout, q, k, v, out, lse, *args)
+                    for x, w in zip(got, want, strict=True):
+                        torch.testing.assert_close(x, w, atol=1e-5, rtol=0)
+                torch.use_deterministic_algorithms(False)
+                fa4.attn_bwd(dout, q, k, v, out, lse, *args)
+            refused = [r for r in caplog.records if "fa4 candidate: call refused" in r.message]
+            if bwd is fa4_bwd:
+                assert calls == [True, True, False] and not refused
+            else:  # no deterministic mode: both deterministic calls fell back, logged once
+                assert calls == ["old"] and len(refused) == 1 and "deterministic" in refused[0].message
+    finally:
+        torch.use_deterministic_algorithms(was)

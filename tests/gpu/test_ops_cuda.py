@@ -96,6 +96,25 @@ def test_index_add_rows(acc_dtype: torch.dtype, src_dtype: torch.dtype, distinct
         torch.testing.assert_close(acc, expected, rtol=rtol, atol=atol)
 
 
+def test_index_add_rows_deterministic_mode() -> None:
+    """Under ``torch.use_deterministic_algorithms`` repeated indices sum in one fixed order: the
+    public op leaves the atomic kernel for torch's deterministic path, run after run."""
+    g = _gen(4)
+    idx = torch.randint(0, 7, (4000,), device=DEV, generator=g)
+    src = torch.randn(4000, 4, 33, device=DEV, generator=g).to(torch.bfloat16)
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        runs = []
+        for _ in range(5):
+            acc = torch.zeros(7, 4, 33, device=DEV)
+            ops.index_add_rows(acc, idx, src)
+            runs.append(acc)
+    finally:
+        torch.use_deterministic_algorithms(was)
+    assert all(torch.equal(r, runs[0]) for r in runs[1:])
+
+
 # --- merge_partial ---
 
 
