@@ -34,7 +34,7 @@ import torch
 from . import cudnn, fa4, flash, reference
 
 __all__ = ["CallShape", "Kernel", "KERNELS", "DEFAULT_ORDER", "TABLE", "device_class", "device_class_of"]
-__all__ += ["call_shape", "pick", "pick_why", "available_kernels", "Picker", "load_table"]
+__all__ += ["call_shape", "pick", "pick_why", "available_kernels", "Picker", "load_table", "ARCH"]
 
 log = logging.getLogger("megatron_cp_ext.kernels")
 
@@ -196,6 +196,36 @@ def rule_matches(rule: dict, s: CallShape) -> bool:
     return True
 
 
+ARCH = {"H100": "sm90", "H200": "sm90", "H800": "sm90", "GH200": "sm90", "H20": "sm90", "A100": "sm80",
+        "A800": "sm80", "B200": "sm100", "GB200": "sm100", "L40S": "sm89", "L40": "sm89", "L4": "sm89",
+        "A10": "sm86"}  # fmt: skip
+"""Device classes of one GPU architecture (one SM design; an ``sm<xy>`` class is its own):
+the kernels' ranking measured on one stands in where the other's table did not compare them."""
+
+
+def _rule(entry: dict, s: CallShape) -> dict | None:
+    return next((r for r in entry.get("rules", []) if rule_matches(r, s)), None)
+
+
+def _compared(rule: dict) -> set[str]:
+    """The candidates a rule's measurement timed (``compared``; a rule without it timed only
+    its own kernel, as far as anyone can tell)."""
+    return set(rule.get("compared", [rule["kernel"]]))
+
+
+def _sibling(cls: str, s: CallShape, own: dict | None, table: dict) -> tuple[str, str] | None:
+    """``(kernel, class)`` from a device class of the same architecture whose rule for this call
+    timed the own rule's kernel and beat it with a candidate the own rule did not time (any
+    pick where ``cls`` has no rule); the widest comparison first, then by class name."""
+    arch = ARCH.get(cls, cls)
+    found = []
+    for other, entry in table.get("devices", {}).items():
+        r = _rule(entry, s) if other != cls and ARCH.get(other, other) == arch else None
+        if r is not None and (own is None or (r["kernel"] not in _compared(own) and own["kernel"] in _compared(r))):
+            found.append((-len(_compared(r)), other, r["kernel"]))
+    return (min(found)[2], min(found)[1]) if found else None
+
+
 def pick(cls: str, s: CallShape, available: frozenset[str] | set[str], table: dict, first: str | None = None) -> str:
     """The candidate for a call of shape ``s`` on a device of class ``cls``: ``first`` (an
     override), the table's rule, then the default order — the first that is ``available`` and
@@ -206,11 +236,13 @@ def pick(cls: str, s: CallShape, available: frozenset[str] | set[str], table: di
 
 def pick_why(cls: str, s: CallShape, available, table: dict, first: str | None = None) -> tuple[str, str]:
     """:func:`pick` and the reason, in words (what was preferred and why it was passed over)."""
-    entry = table.get("devices", {}).get(cls, {})
-    ruled = next((r["kernel"] for r in entry.get("rules", []) if rule_matches(r, s)), None)
+    own = _rule(table.get("devices", {}).get(cls, {}), s)
+    ruled = own["kernel"] if own is not None else None
+    sib, sib_cls = _sibling(cls, s, own, table) or (None, None)
     default = DEFAULT_ORDER["cpu" if cls == "cpu" else "cuda"]
     skipped = []
-    tries = ((first, "MCX_KERNEL"), (ruled, f"table rule for {cls}"), *((n, "default order") for n in default))
+    tries = ((first, "MCX_KERNEL"), (sib, f"table rule for {sib_cls}, same architecture as {cls}"),
+             (ruled, f"table rule for {cls}"), *((n, "default order") for n in default))  # fmt: skip
     for name, why in tries:
         if name is None:
             continue
@@ -276,11 +308,14 @@ def entry_from_measurements(rows: list[dict], source: str) -> dict:
     seconds}`` (fwd+bwd of one call over a whole batch). Per (dtype, d, dv, gqa, mask) and
     measured size, the fastest kernel (ties: by name) becomes a rule; a size covers the calls
     nearer to it than to the next measured size (bounds at the geometric mean, in the call's
-    power-of-two token bucket), the smallest down to 0 and the largest upwards."""
+    power-of-two token bucket), the smallest down to 0 and the largest upwards; ``compared``
+    lists the candidates timed there."""
     best: dict[tuple, tuple[float, str]] = {}
+    timed: dict[tuple, set[str]] = {}
     for r in rows:
         key = (r["dtype"], r["d"], r["dv"], r["gqa"], r["mask"], r["tokens"])
         best[key] = min(best.get(key, (float("inf"), "~")), (float(r["seconds"]), r["kernel"]))
+        timed.setdefault(key, set()).add(r["kernel"])
     rules = []
     for shape in sorted({k[:5] for k in best}):
         sizes = sorted(k[5] for k in best if k[:5] == shape)
@@ -289,7 +324,8 @@ def entry_from_measurements(rows: list[dict], source: str) -> dict:
             rule = dict(zip(("dtype", "d", "dv", "gqa", "mask"), shape), min_tokens=bounds[i])
             if i + 1 < len(sizes):
                 rule["max_tokens"] = bounds[i + 1]
-            rules.append({**rule, "kernel": best[(*shape, t)][1], "measured_tokens": t})
+            rules.append({**rule, "kernel": best[(*shape, t)][1], "measured_tokens": t,
+                          "compared": sorted(timed[(*shape, t)])})  # fmt: skip
     return {"source": source, "rules": rules}
 
 

@@ -94,6 +94,36 @@ def test_rules_first_match_and_token_ranges():
     assert pick.pick("H100", _shape(tokens=4096, mask="causal"), ALL, table) == "flash_attn"
 
 
+def test_same_architecture_fills_what_a_rule_did_not_time():
+    """A rule that timed only its own kernel yields to a rule of the same architecture that timed
+    that kernel and beat it with a candidate available here; a rule that timed both stands; a
+    class without rules takes the widest comparison of its architecture; other architectures
+    are untouched."""
+    fa2 = {"mask": "none", "kernel": "aten_flash", "compared": ["aten_flash"]}
+    both = {"mask": "none", "kernel": "cudnn", "compared": ["aten_flash", "cudnn"]}
+    table = {"devices": {"H100": {"rules": [fa2]}, "H200": {"rules": [both]}}}
+    name, why = pick.pick_why("H100", _shape(), ALL, table)
+    assert name == "cudnn" and why.startswith("table rule for H200, same architecture as H100")
+    assert pick.pick("H100", _shape(), ALL - {"cudnn"}, table) == "aten_flash"  # not installed here
+    assert pick.pick("H100", _shape(mask="causal"), ALL, table) == "flash_attn"  # no rule matches
+    assert pick.pick("H800", _shape(), ALL, table) == pick.pick("sm90", _shape(), ALL, table) == "cudnn"
+    assert pick.pick("A100", _shape(), ALL, table) == "flash_attn"
+    timed = {"devices": {"H100": {"rules": [{**fa2, "compared": ["aten_flash", "cudnn"]}]}, "H200": {"rules": [both]}}}
+    assert pick.pick("H100", _shape(), ALL, timed) == "aten_flash"  # its own measurement of both
+    bare = {"devices": {"H100": {"rules": [fa2]}, "H200": {"rules": [{"mask": "none", "kernel": "cudnn"}]}}}
+    assert pick.pick("H100", _shape(), ALL, bare) == "aten_flash"  # no evidence against FA2
+
+
+def test_shipped_table_on_hopper():
+    """The shipped table: the H100's rules timed FA2 alone and the H200's timed cuDNN against it,
+    so a Hopper with cudnn-frontend runs cuDNN, and one without it PyTorch's flash."""
+    table = pick.load_table(pick.TABLE)
+    for cls, mask, tokens in itertools.product(("H100", "H200", "H800"), ("causal", "none", "window"), (1024, 1 << 17)):
+        s = _shape(mask=mask, tokens=tokens)
+        assert pick.pick(cls, s, {"aten_flash", "cudnn"}, table) == "cudnn", (cls, s)
+        assert pick.pick(cls, s, {"aten_flash"}, table) == "aten_flash", (cls, s)
+
+
 def _fake_cuda(monkeypatch, log: list) -> None:
     """Every CUDA candidate 'available', each running the reference and logging its name."""
     for name in ("flash_attn", "aten_flash", "cudnn"):
@@ -176,6 +206,8 @@ def test_suite_entry_round_trip(tmp_path, monkeypatch):
     monkeypatch.setenv("MCX_KERNEL_TABLE", path)
     table = pick.load_table()
     assert set(table["devices"]) == {"H100", "cpu"} and table["devices"]["H100"] == entry
+    assert {tuple(r["compared"]) for r in entry["rules"] if r["mask"] == "none"} == {("aten_flash", "cudnn")}
+    assert {tuple(r["compared"]) for r in entry["rules"] if r["mask"] == "causal"} == {("aten_flash",)}
     picks = {t: pick.pick("H100", _shape(tokens=t), ALL - {"flash_attn"}, table) for t in (1024, 16384, 32768, 1 << 20)}
     assert picks == {1024: "aten_flash", 16384: "aten_flash", 32768: "cudnn", 1 << 20: "cudnn"}
     with open(path, "w") as f:
