@@ -154,6 +154,10 @@ def _prepare(q, k, v, a: dict, known: _Known) -> _Call:
         sharding = fixed_length_sharding(*seq_dims, groups.size, fmt)
         q, k, v = (rows_to_thd(x, groups.size) for x in (q, k, v))
     shapes = check_qkv(q, k, v)
+    if shapes.device.type == "meta" and groups.size > 1:
+        raise CPArgumentError("q, k, v are on the meta device: shape-only runs are for CP 1 (CP moves data)")
+    if scale is not None and shapes.dtype != torch.float64 and scale > torch.finfo(torch.float32).max:
+        raise CPArgumentError(f"softmax_scale={scale!r} is inf in float32, the kernels' scale for {shapes.dtype}")
     if groups.size != sharding.cp_size:
         raise CPArgumentError(f"cp_group has {groups.size} ranks but sharding.cp_size is {sharding.cp_size}")
     if shapes.tokens != sharding.num_tokens(groups.rank):
@@ -231,10 +235,24 @@ def _signature(c: _Call, state: dict) -> tuple[int, ...]:
     )  # fmt: skip
 
 
-def _agree(c: _Call) -> None:
+def _checked(q, k, v, args: dict) -> _Call:
+    """The validated call, agreed with the other CP ranks; an argument error (in validation or
+    in the signature, which reads the sink in check mode) is raised on every rank."""
+    known = _Known()
+    try:
+        c = _prepare(q, k, v, args, known)
+        c.max_logit = as_bool(args["return_max_logit"], "return_max_logit")
+        sig = _signature(c, _fingerprint(c.sharding))
+    except (ValueError, TypeError) as err:
+        agr.raise_everywhere(err, known.groups, known.cp_size, known.cp_rank, cp_group=args["cp_group"])
+        raise  # unreachable: raise_everywhere always raises
+    _agree(c, sig)
+    return c
+
+
+def _agree(c: _Call, sig: tuple) -> None:
     """Exchange the signature when it is new on this rank (or always in check mode)."""
     state = _fingerprint(c.sharding)
-    sig = _signature(c, state)
     if c.check or sig not in state["agreed"]:
         path = agr.exchange_path(c.groups, c.sharding.cp_size)
         if path is not None:
@@ -339,14 +357,7 @@ def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args: dict):
     Excluded as one unit, the surrounding model compiles with one graph break per call and
     the same guards for every micro-batch (``docs/compile.md``).
     """
-    known = _Known()
-    try:
-        c = _prepare(q, k, v, args, known)
-        c.max_logit = as_bool(args["return_max_logit"], "return_max_logit")
-    except (ValueError, TypeError) as err:
-        agr.raise_everywhere(err, known.groups, known.cp_size, known.cp_rank, cp_group=args["cp_group"])
-        raise  # unreachable: raise_everywhere always raises
-    _agree(c)
+    c = _checked(q, k, v, args)
     plan = _get_plan(c)
     max_logit, heads = _max_logit_accumulator(c, plan) if c.max_logit else (None, None)
     out = _dispatch(c, plan, max_logit)

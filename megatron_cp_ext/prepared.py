@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from . import attention as att
 from .runtime.autocast import autocast_off
-from .runtime.validation import CPArgumentError, CPArgumentTypeError, as_bool
+from .runtime.validation import CPArgumentError, CPArgumentTypeError
 from .schedules import a2a, prepare_plan, schedule_of
 from .schedules.common import Run
 from .schedules.p2p import P2PPlan
@@ -90,7 +90,8 @@ class PreparedCPAttention:
             raise CPArgumentError(
                 f"this call {'runs' if grad else 'runs no'} backward (grad mode and requires_grad of q, k, v, "
                 f"softmax_offset) but plan_cp_attention agreed on {'one' if self.grad else 'none'} with every "
-                "CP rank: plan on tensors (and in a grad mode) like the call's"
+                "CP rank: plan on tensors (and in a grad mode) like the call's (inside a reentrant checkpoint, "
+                "use use_reentrant=False or cp_attention)"
             )
         if self.seq_dims is not None:
             q, k, v, _ = seq_to_thd(q, k, v, self.fmt)
@@ -158,12 +159,5 @@ def plan_cp_attention(
         window_size=window_size, chunk_size=chunk_size, softmax_scale=softmax_scale, softmax_offset=softmax_offset,
         backend=backend, check=check, return_max_logit=False,
     )  # fmt: skip
-    known = att._Known()
-    try:
-        c = att._prepare(q, k, v, args, known)
-        as_bool(check, "check")
-    except (ValueError, TypeError) as err:
-        att.agr.raise_everywhere(err, known.groups, known.cp_size, known.cp_rank, cp_group=args["cp_group"])
-        raise  # unreachable: raise_everywhere always raises
-    att._agree(c)
+    c = att._checked(q, k, v, args)
     return PreparedCPAttention(c, att._get_plan(c), _shapes(q, k, v))

@@ -164,7 +164,9 @@ def _probs(qh, kh, vis, scale, lse=None):
     if lse is None:
         lse = torch.logsumexp(s, dim=-1)
     # Rows that see nothing have lse -inf: subtract 0 there, so every entry is exp(-inf) = 0.
-    ref = torch.where(torch.isfinite(lse), lse, 0.0)
+    # Only there: a +inf lse (a sink of +inf takes every probability) gives exp(s - inf) = 0,
+    # and a NaN lse NaN probabilities, as dense attention would.
+    ref = torch.where(torch.isneginf(lse), 0.0, lse)
     return s.sub_(ref[..., None]).exp_(), lse
 
 

@@ -209,7 +209,7 @@ def _shard_thd(batch: dict, cu_seqlens, cp_group, balance: str, split: dict) -> 
             out[key] = val
     if out.get("position_ids") is None:
         # True in-sequence positions; the embedding and RoPE need them, not 0..t-1.
-        out["position_ids"] = ctx.positions(device or "cpu").unsqueeze(0)
+        out["position_ids"] = ctx.positions(device or "cpu").unsqueeze(0).clone()  # RoPE reads the cached one
     out["packed_seq_params"] = params
     return out
 

@@ -105,8 +105,8 @@ class CPBatchContext:
         device = torch.device(device)
         pos = self._positions.get(device)
         if pos is None:
-            pos = self.sharding.positions(self.rank).to(device, non_blocking=True)
-            self._positions[device] = pos
+            with torch.inference_mode(False):  # cached: an inference tensor would refuse later training
+                pos = self._positions[device] = self.sharding.positions(self.rank).to(device, non_blocking=True)
         return pos
 
     def describes(self, sources: tuple) -> bool:

@@ -132,11 +132,17 @@ def as_scale(value: object, name: str = "softmax_scale") -> float | None:
         raise CPArgumentTypeError(
             f"{name} must be None or a positive finite float (a Python number, not a tensor), {_got(value)}"
         )
-    out = float(value)
+    try:
+        out = float(value)
+    except OverflowError:  # an int past float's range
+        out = math.inf
     if not math.isfinite(out) or out <= 0:
         raise CPArgumentError(f"{name} must be None or a positive finite float, got {out!r}")
     return out
 
+
+INT32_MAX = 2**31 - 1
+"""Largest ``cu_seqlens`` entry: the local kernels take int32 offsets."""
 
 MAX_EXTENT = 2**62
 """Largest window side or chunk accepted: anything past a sequence's length acts alike, and

@@ -377,5 +377,6 @@ def sink_grad(delta: torch.Tensor, lse: torch.Tensor, offset: torch.Tensor) -> t
     """d loss / d offset of this rank's queries (the caller's data-parallel reduction sums the
     ranks): the sink's probability times minus each row's ``dout . out`` (``delta``, ``[N, H]``,
     from :func:`.delta.row_dot`; ``a2a`` has it in head layout already)."""
-    p = torch.exp(offset.to(lse.dtype)[None, :] - lse)  # lse includes the sink: finite
-    return -(p * delta.to(lse.dtype)).sum(0)
+    off = offset.to(lse.dtype)[None, :]
+    p = torch.exp(off - lse)  # lse includes the sink; a +inf sink takes every probability (1, not inf - inf)
+    return -(p.masked_fill_(torch.isposinf(off) & torch.isposinf(lse), 1.0) * delta.to(lse.dtype)).sum(0)

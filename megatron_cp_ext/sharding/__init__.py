@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from ..masks import MaskSpec
-from ..runtime.validation import CPArgumentError, CPArgumentTypeError, as_int, as_ints
+from ..runtime.validation import INT32_MAX, CPArgumentError, CPArgumentTypeError, as_int, as_ints
 from . import splits
 
 __all__ = ["Segment", "CPSharding", "shard_sequences", "check_cu_seqlens", "rank_counts", "BALANCES"]
@@ -70,12 +70,13 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor | Sequence[int], name: str = "cu_s
         raise CPArgumentError(f"{name} must hold at least one entry (the leading 0)")
     if cu[0] != 0:
         raise CPArgumentError(f"{name} must start at 0, got {cu[0]}")
-    steps = np.diff(np.asarray(cu, dtype=np.int64))
+    if max(cu) > INT32_MAX:  # the kernels' cu_seqlens are int32
+        raise CPArgumentError(f"{name} must stay within int32 (the kernels' cu_seqlens), got {max(cu)}")
+    head = cu if min(cu) >= 0 else [*cu[: next(i for i, x in enumerate(cu) if x < 0)], -1]  # no int64 overflow
+    steps = np.diff(np.asarray(head, dtype=np.int64))
     if (steps < 0).any():
         i = int(np.nonzero(steps < 0)[0][0]) + 1
-        raise CPArgumentError(
-            f"{name} must be non-decreasing (sequence lengths >= 0); entry {i} is {cu[i]} < {cu[i - 1]}"
-        )
+        raise CPArgumentError(f"{name} must be non-decreasing (lengths >= 0); entry {i} is {cu[i]} < {cu[i - 1]}")
     return cu
 
 
@@ -137,8 +138,7 @@ class CPSharding:
 
     def rank_segments(self, rank: int) -> np.ndarray:
         """``[k, 3]`` ``(seq, start, end)`` of ``rank``'s segments in local order (a view)."""
-        rank = self._rank(rank)
-        return self.seg[self.rank_ptr[rank] : self.rank_ptr[rank + 1]]
+        return self.seg[self.rank_ptr[(r := self._rank(rank))] : self.rank_ptr[r + 1]]
 
     @cached_property
     def segments(self) -> tuple[tuple[Segment, ...], ...]:
@@ -163,7 +163,8 @@ class CPSharding:
         s = self.rank_segments(rank)
         n = s[:, 2] - s[:, 1]
         idx = np.repeat(base - (np.cumsum(n) - n), n) + np.arange(int(n.sum()), dtype=np.int64)
-        return torch.from_numpy(idx)
+        with torch.inference_mode(False):  # cached: made in inference mode, no backward could save it
+            return torch.from_numpy(idx)
 
     def global_index(self, rank: int) -> torch.Tensor:
         """Global token index (into the unsharded THD batch) of each of ``rank``'s tokens."""
@@ -387,8 +388,7 @@ def shard_sequences(
 
         counts = rank_counts(cu[-1], cp_size, token_multiple)
         refs = References(
-            contiguous=lambda: _contiguous(lens, cp_size, token_multiple),
-            in_order=lambda: _in_order(lens, counts),
+            contiguous=lambda: _contiguous(lens, cp_size, token_multiple), in_order=lambda: _in_order(lens, counts)
         )
         per_rank = pick(lens, counts, mask, lambda: _even_work(lens, cp_size, token_multiple, mask), refs)
         return CPSharding._of(cu, per_rank, balance, token_multiple)

@@ -116,6 +116,7 @@ def _tensors(ch: dict, fmt: str, cp: int, rank: int, sharding) -> list:
         local = [torch.cat([x, x[:1].expand(ch["extra_tokens"], *x.shape[1:])]) for x in local]
     if "k_tokens" in ch:
         local[1] = local[1][: ch["k_tokens"]]
+    local = [x.to(ch.get("device", "cpu")) for x in local]
     if ch.get("requires_grad", True):
         local = [x.requires_grad_() for x in local]
     if ch.get("q") == "list":
@@ -144,7 +145,9 @@ def _call(rank: int, world: int, ch: dict, sharding_cache: dict):
     kw = {n: ch[n] for n in _KWARGS if n in ch}
     if "sink" in ch:  # a softmax offset: a shape, or anything else passed as is
         sink = ch["sink"]
-        kw["softmax_offset"] = torch.zeros(sink, requires_grad=True) if isinstance(sink, tuple) else sink
+        kw["softmax_offset"] = (
+            torch.zeros(sink, device=ch.get("device", "cpu"), requires_grad=True) if isinstance(sink, tuple) else sink
+        )
     out = mcx.cp_attention(q, k, v, cp_group=group, sharding=sharding, **kw)
     if isinstance(out, tuple):  # return_max_logit
         out = out[0]

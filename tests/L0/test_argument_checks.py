@@ -33,6 +33,8 @@ CU = [0, 5, 5, 12]
         ([0, 5, 3], VE, "non-decreasing"),
         ([1, 5], VE, "start at 0"),
         ([], VE, "at least one entry"),
+        ([0, 2**63], VE, "int32"),  # past int64 as well: no numpy overflow
+        ([0, 5, -(2**70)], VE, "non-decreasing"),
         (torch.tensor([[0, 4]]), TE, "1-D"),
     ],
     ids=lambda x: repr(x)[:24],

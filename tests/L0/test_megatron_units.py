@@ -30,6 +30,7 @@ from megatron_cp_ext.megatron import (  # noqa: E402
     shard_batch_for_cp,
 )
 from megatron_cp_ext.megatron.batch import zigzag_positions  # noqa: E402
+from megatron_cp_ext.megatron.context import CONTEXT_ATTR  # noqa: E402
 from megatron_cp_ext.megatron.core_attention import resolve_cp_comm_type  # noqa: E402
 from megatron_cp_ext.testing.pool import run_on_ranks  # noqa: E402
 from megatron_cp_ext.testing.reference import dense_attention  # noqa: E402
@@ -111,6 +112,24 @@ def test_thd_batch_at_cp1_gets_true_positions_and_params() -> None:
     assert out["tokens"].tolist() == batch["tokens"].tolist() and out["attention_mask"] is None
     params = out["packed_seq_params"]
     assert params.qkv_format == "thd" and params.cu_seqlens_q.tolist() == [0, 3, 8] and params.max_seqlen_q == 5
+    ctx = getattr(params, CONTEXT_ATTR)
+    out["position_ids"].add_(100)  # the batch's own tensor: the positions RoPE reads stay put
+    assert ctx.positions("cpu").tolist() == [0, 1, 2, 0, 1, 2, 3, 4]
+
+
+def test_positions_first_made_in_inference_mode_serve_training() -> None:
+    """An evaluation under inference mode first: the cached positions and shard indices are
+    normal tensors, so a later training step can save them for its backward."""
+    cu = torch.tensor([0, 3, 8])
+    with torch.inference_mode():
+        out = shard_batch_for_cp({"tokens": torch.arange(8)[None]}, cu_seqlens=cu, cp_group=None)
+        sharding = getattr(out["packed_seq_params"], CONTEXT_ATTR).sharding
+        sharding.shard(torch.randn(8, 2), 0)
+    ctx = getattr(out["packed_seq_params"], CONTEXT_ATTR)
+    assert not ctx.positions("cpu").is_inference() and not sharding.global_index(0).is_inference()
+    w = torch.randn(8, 2, requires_grad=True)
+    sharding.shard(w, 0).pow(2).sum().backward()
+    torch.testing.assert_close(w.grad, 2 * w.detach())
 
 
 def test_packed_seq_params_takes_megatrons_no_window() -> None:

@@ -83,6 +83,7 @@ def test_custom_segments_whole_sequences():
         ([0, 5, 3], "non-decreasing"),
         ([1, 5], "start at 0"),
         ([0, -2], "non-decreasing"),
+        ([0, 2**31], "int32"),
         ([], "at least one"),
     ],
 )

@@ -55,6 +55,9 @@ UNIFORM = [
     Fault("scale_negative", dict(softmax_scale=-1.0), VE, "softmax_scale"),
     Fault("scale_nan", dict(softmax_scale=math.nan), VE, "softmax_scale"),
     Fault("scale_inf", dict(softmax_scale=math.inf), VE, "softmax_scale"),
+    Fault("scale_int_past_float", dict(softmax_scale=10**400), VE, "softmax_scale"),
+    Fault("scale_inf_in_fp32", dict(softmax_scale=1e39), VE, "softmax_scale"),
+    Fault("meta_device", dict(device="meta", requires_grad=False), VE, "meta device"),
     Fault("backend_unknown", dict(backend="triton"), VE, "backend"),
     Fault("backend_none", dict(backend=None), TE, "backend"),
     Fault("backend_flash_on_cpu", dict(backend="flash"), VE, "backend"),
@@ -109,6 +112,9 @@ DIVERGENT = [
     Fault("window_float_one_rank", dict(window_size=(2.7, 0)), TE, "window_size", (-1,)),
     Fault("chunk_float_one_rank", dict(chunk_size=16.0), TE, "chunk_size", (0,)),
     Fault("scale_str_one_rank", dict(softmax_scale="0.5"), TE, "softmax_scale", (-1,)),
+    Fault("scale_int_past_float_one_rank", dict(softmax_scale=10**400), VE, "softmax_scale", (-1,)),
+    # check mode reads the sink's values for the exchange: a rank whose tensors cannot be read
+    Fault("meta_one_rank_check_sink", dict(device="meta"), VE, "meta device", (-1,), base=dict(sink=(4,), check=True)),
     Fault("q_not_tensor_one_rank", dict(q="list"), TE, "q must be a torch.Tensor", (-1,)),
     Fault("cp_group_garbage_one_rank", dict(cp_group="garbage"), TE, "cp_group", (-1,)),
     Fault("bad_on_two_ranks", dict(causal=1), TE, "causal", (0, -1)),
@@ -135,6 +141,7 @@ DRIFT = [Fault(f.name, f.change, f.expect, f.names, f.ranks, base=dict(check=Tru
 ACCEPTED = [
     Fault("scale_numpy_float", dict(softmax_scale=np.float32(0.3)), None),
     Fault("scale_int", dict(softmax_scale=1), None),
+    Fault("scale_past_fp32_in_fp64", dict(softmax_scale=1e39, dtype="float64"), None),
     Fault("window_list", dict(window_size=[3, -1]), None),
     Fault("chunk_numpy_int", dict(chunk_size=np.int64(5)), None),
     Fault("causal_numpy_bool", dict(causal=np.True_), None),  # was refused as "not a bool" (numpy 2's name)

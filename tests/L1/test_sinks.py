@@ -3,6 +3,7 @@ fp64 reference extended with the sink: outputs, dQ/dK/dV and the offset's gradie
 of the ranks' partials)."""
 
 import pytest
+import torch
 
 from megatron_cp_ext.testing.cases import AttnCase, check_case, run_case
 from megatron_cp_ext.testing.pool import run_on_ranks
@@ -50,3 +51,20 @@ def test_sink_with_uneven_a2a_heads():
     """6 heads over an a2a group of 4: each member adds the sink of its own (uneven) heads."""
     case = AttnCase(seqlens=THD, comm_type="a2a", hq=6, hkv=3, sink=(0.1, 0.2, -0.3, 1.0, -2.0, 0.5))
     check_case(run_on_ranks(4, run_case, case), case)
+
+
+@pytest.mark.parametrize("comm, a2a", COMMS)
+def test_infinite_sinks(comm, a2a):
+    """A sink of +inf takes every probability: its head's output and its gradients (q, k, v and
+    the sink's own) are exactly 0. One of -inf adds nothing. The other heads are unchanged:
+    equal to a run with a finite sink on that head, itself checked against dense fp64."""
+    seq = dict(seqlens=THD, comm_type=comm, a2a_size=a2a, hq=4, hkv=4, dtype="float64")
+    finite = AttnCase(**seq, sink=(0.0, 0.7, float("-inf"), 2.0))
+    check_case(run_on_ranks(4, run_case, finite), finite)
+    want = run_on_ranks(4, run_case, finite)
+    got = run_on_ranks(4, run_case, AttnCase(**seq, sink=(float("inf"), 0.7, float("-inf"), 2.0)))
+    for g, w in zip(got, want, strict=True):
+        for name in ("out", "dq", "dk", "dv"):
+            assert torch.equal(g[name][:, 0], torch.zeros_like(g[name][:, 0])), name
+            torch.testing.assert_close(g[name][:, 1:], w[name][:, 1:], rtol=1e-12, atol=1e-12)
+        assert g["doffset"][0] == 0 and torch.isfinite(g["doffset"]).all()
