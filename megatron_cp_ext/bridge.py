@@ -42,10 +42,6 @@ FIELDS = (
 YAML_PREFIX = "megatron_cp_ext"
 """Module prefix Bridge's YAML loader must allow for our layer-spec target."""
 
-# Values of megatron-core's AttnBackend (an enum in configs, its name in YAML) that make Bridge
-# overwrite core_attention when it builds the model.
-_REPLACING_BACKENDS = ("local",)
-
 
 def _is_model(obj: Any) -> bool:
     return hasattr(obj, "transformer_layer_spec") and hasattr(obj, "context_parallel_size")
@@ -53,7 +49,10 @@ def _is_model(obj: Any) -> bool:
 
 def is_bridge_config(obj: Any) -> bool:
     """True for a Bridge ``ConfigContainer`` (a ``.model`` provider, no NeMo ``.trainer``) or a
-    GPT model provider / model config itself."""
+    GPT model provider / model config itself; never for a fiddle config (a NeMo recipe's part,
+    e.g. ``recipe.model.config``, whose CP size the NeMo strategy would overwrite)."""
+    if any(c.__module__.startswith("fiddle") for c in type(obj).__mro__):
+        return False
     if _is_model(obj):
         return True
     return not hasattr(obj, "trainer") and _is_model(getattr(obj, "model", None))
@@ -104,11 +103,6 @@ def register_yaml_targets() -> list[str]:
     return done
 
 
-def _backend_name(value: Any) -> str:
-    """``AttnBackend.local`` (an enum) and ``"local"`` (as read back from YAML) alike."""
-    return str(getattr(value, "name", value)).rsplit(".", 1)[-1].lower()
-
-
 def apply_cp(
     config: Any,
     *,
@@ -131,7 +125,14 @@ def apply_cp(
     an ``attention_backend`` that would make Bridge replace our core attention.
     """
     from .megatron.core_attention import CPAttentionOptions
-    from .recipe_checks import check_comm_type, check_cp_size, check_hierarchical, check_one_layer_kind
+    from .recipe_checks import (
+        check_attention_backend,
+        check_comm_type,
+        check_cp_size,
+        check_hierarchical,
+        check_one_layer_kind,
+        warn_per_rank_loss,
+    )
 
     context_parallel_size = check_cp_size(context_parallel_size)
     model = config if _is_model(config) else getattr(config, "model", None)
@@ -143,13 +144,7 @@ def apply_cp(
     kinds = check_comm_type(cp_comm_type, getattr(model, "num_layers", None))
     sizes = check_hierarchical(hierarchical_sizes, context_parallel_size, kinds)
     check_one_layer_kind(model)
-    attn_backend = getattr(model, "attention_backend", None)
-    if attn_backend is not None and _backend_name(attn_backend) in _REPLACING_BACKENDS:
-        raise ValueError(
-            f"model.attention_backend is {_backend_name(attn_backend)!r}: Megatron-Bridge then replaces the layer "
-            "spec's core_attention with DotProductAttention, dropping megatron_cp_ext's attention - set "
-            "model.attention_backend to AttnBackend.auto first"
-        )
+    check_attention_backend(model, "model.attention_backend")
     dropout = getattr(model, "attention_dropout", 0.0)
     if dropout:
         raise ValueError(
@@ -157,6 +152,7 @@ def apply_cp(
             "set it to 0.0 first"
         )
     CPAttentionOptions(load_balance=load_balance, backend=backend, chunk_size=chunk_size)  # validates
+    warn_per_rank_loss(model, context_parallel_size)
     register_yaml_targets()
     model.context_parallel_size = context_parallel_size
     model.cp_comm_type = kinds

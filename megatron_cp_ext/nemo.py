@@ -23,7 +23,13 @@ import functools
 from collections.abc import Sequence
 from typing import Any
 
-from .recipe_checks import check_comm_type, check_cp_size, check_hierarchical, check_one_layer_kind
+from .recipe_checks import (
+    check_attention_backend,
+    check_comm_type,
+    check_cp_size,
+    check_hierarchical,
+    check_one_layer_kind,
+)
 
 __all__ = ["FIELDS", "apply_cp"]
 
@@ -107,6 +113,7 @@ def apply_cp(
     kinds = check_comm_type(cp_comm_type, getattr(config, "num_layers", None))
     sizes = check_hierarchical(hierarchical_sizes, context_parallel_size, kinds)
     check_one_layer_kind(config)
+    check_attention_backend(config, "model.config.attention_backend")
     dropout = getattr(config, "attention_dropout", 0.0)
     if dropout:
         raise ValueError(

@@ -11,6 +11,7 @@ import numbers
 from collections.abc import Sequence
 
 __all__ = ["check_cp_size", "check_comm_type", "check_hierarchical", "check_one_layer_kind"]
+__all__ += ["check_attention_backend", "warn_per_rank_loss"]
 
 _COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p", "auto")  # auto: the planner picks per micro-batch
 
@@ -72,4 +73,43 @@ def check_one_layer_kind(config: object) -> None:
         raise ValueError(
             f"cp_layer_spec builds one layer spec for every layer; moe_layer_freq={freq!r} mixes dense and MoE "
             "layers. Use moe_layer_freq=1, or build per-layer specs with get_gpt_layer_cp_spec(num_experts=...)"
+        )
+
+
+_REPLACING_BACKENDS = ("local",)
+"""megatron-core ``AttnBackend`` values (an enum in configs, its name in YAML) with which Bridge's
+and NeMo 2's model construction overwrite the layer spec's ``core_attention``."""
+
+
+def _backend_name(value: object) -> str:
+    """``AttnBackend.local`` (an enum) and ``"local"`` (as read back from YAML) alike."""
+    return str(getattr(value, "name", value)).rsplit(".", 1)[-1].lower()
+
+
+def check_attention_backend(config: object, field: str = "attention_backend") -> None:
+    """Refuse an ``attention_backend`` that makes Bridge or NeMo 2 replace our core attention with
+    Megatron's ``DotProductAttention`` when they build the model: checked when an override is
+    applied and again when the layer spec is built (a later CLI or YAML edit)."""
+    backend = getattr(config, "attention_backend", None)
+    if backend is not None and _backend_name(backend) in _REPLACING_BACKENDS:
+        raise ValueError(
+            f"{field} is {_backend_name(backend)!r}: Megatron-Bridge and NeMo then replace the layer spec's "
+            "core_attention with DotProductAttention, dropping megatron_cp_ext's attention - set it to "
+            "AttnBackend.auto"
+        )
+
+
+def warn_per_rank_loss(config: object, context_parallel_size: int) -> None:
+    """Warn where Megatron will average per-rank means: without ``calculate_per_token_loss`` its
+    schedules divide each rank's loss by that rank's own token count, and DDP then averages over
+    data x context parallel ranks, which weighs CP ranks holding different numbers of loss tokens
+    unequally (as with TransformerEngine's CP). With it, gradients are divided by the global count."""
+    import warnings  # noqa: PLC0415 - only when asked
+
+    if context_parallel_size > 1 and not getattr(config, "calculate_per_token_loss", False):
+        warnings.warn(
+            "context parallelism with calculate_per_token_loss=False: Megatron averages each CP rank's own "
+            "per-token mean, not the global per-token mean; set calculate_per_token_loss=True (with "
+            "average_in_collective=False in the DDP config) for the loss CP 1 computes (docs/megatron.md)",
+            stacklevel=3,
         )

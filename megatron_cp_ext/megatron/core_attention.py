@@ -45,7 +45,10 @@ REFUSAL_WAIT_S = 15.0
 """How long a layer that refuses its micro-batch waits for the other CP ranks in the consistency
 exchange (they reach it in their first attention call; most often they refuse too, at once)."""
 
-_REFUSED_CONFIG_FLAGS: dict[str, str] = {}
+_REFUSED_CONFIG_FLAGS: dict[str, str] = {
+    "fp8_dot_product_attention": "attention computes in the inputs' dtype (fp8 would silently not apply)",
+    "fp8_multi_head_attention": "attention computes in the inputs' dtype (fp8 would silently not apply)",
+}
 """Config flags whose feature needs something this core attention lacks: refused at build,
 instead of a size mismatch or a missing attribute deep inside a training step."""
 

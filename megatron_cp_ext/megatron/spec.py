@@ -36,7 +36,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer, get_transformer_layer_offset
 from megatron.core.utils import get_pg_rank
 
-from ..recipe_checks import check_one_layer_kind
+from ..recipe_checks import check_attention_backend, check_one_layer_kind
 from .core_attention import CPAttentionOptions, CPCoreAttention
 from .mla import CPMLASelfAttention, _local_seq_len
 from .rope import apply_rope_at_positions, local_rope_freqs
@@ -261,6 +261,13 @@ def cp_layer_spec(
     :func:`megatron_cp_ext.nemo.apply_cp` does).
     """
     check_one_layer_kind(config)
+    check_attention_backend(config, "config.attention_backend")
+    for low in ("fp8", "fp4"):
+        if getattr(config, low, None):
+            raise ValueError(
+                f"config.{low} is {getattr(config, low)!r}, but this spec's linear layers are Megatron's local "
+                f"ones, which do not run {low} (it would silently train in the params' dtype): unset it"
+            )
     return get_gpt_layer_cp_spec(options=options, **_local_spec_kwargs(config))
 
 

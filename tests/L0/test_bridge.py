@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import inspect
 import typing
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -120,6 +121,24 @@ def test_local_attention_backend_is_refused(backend) -> None:
     with pytest.raises(ValueError, match="attention_backend"):
         bridge.apply_cp(ConfigContainer(model=model), context_parallel_size=2)
     assert snapshot(model) == before
+    model = make_model()
+    bridge.apply_cp(model, context_parallel_size=2)
+    model.attention_backend = backend  # set afterwards (a CLI or YAML override): the spec refuses
+    with pytest.raises(ValueError, match="attention_backend"):
+        model.transformer_layer_spec(model, vp_stage=0)
+
+
+def test_per_rank_loss_averaging_is_warned_about() -> None:
+    """Without calculate_per_token_loss Megatron averages the CP ranks' own per-token means:
+    apply_cp says so at CP > 1, and is silent with it (or at CP 1)."""
+    per_rank, per_token, cp1 = make_model(), make_model(calculate_per_token_loss=True), make_model()
+    with pytest.warns(UserWarning, match="calculate_per_token_loss"):
+        bridge.apply_cp(per_rank, context_parallel_size=2)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        bridge.apply_cp(per_token, context_parallel_size=2)
+        bridge.apply_cp(cp1, context_parallel_size=1)
+    assert not [w for w in seen if "calculate_per_token_loss" in str(w.message)]
 
 
 @pytest.mark.parametrize(

@@ -26,6 +26,7 @@ from megatron_cp_ext.megatron import (  # noqa: E402
     add_arguments,
     add_megatron_cp_arguments,
     cp_attention_options_from_args,
+    cp_layer_spec,
     get_gpt_layer_cp_spec,
     shard_batch_for_cp,
 )
@@ -340,8 +341,6 @@ def test_cp_layer_spec_builds_megatrons_layer_for_each_config_field(arg: str, se
 
 
 def test_cp_layer_spec_refuses_mixed_dense_and_moe_layers() -> None:
-    from megatron_cp_ext.megatron import cp_layer_spec
-
     with pytest.raises(ValueError, match="moe_layer_freq"):
         cp_layer_spec(config(num_moe_experts=4, moe_layer_freq=2))
     cp_layer_spec(config(num_moe_experts=4, moe_layer_freq=[1, 1]))  # all MoE: one spec fits
@@ -453,3 +452,17 @@ def test_cp_flags_are_refused_by_name(argv, message, capsys) -> None:
     assert message in capsys.readouterr().err
     ok = parser.parse_args(["--context-parallel-size", "4", "--hierarchical-context-parallel-sizes", "2", "2"])
     assert check_cp_args(ok) is None
+
+
+@pytest.mark.parametrize("flag", ["fp8_dot_product_attention", "fp8_multi_head_attention"])
+def test_fp8_attention_is_refused_not_ignored(flag) -> None:
+    """fp8 attention would silently run in the inputs' dtype here: refused at construction, as
+    is fp8 in the CP layer spec (its linears are Megatron's local ones)."""
+    cfg = config()
+    setattr(cfg, flag, True)  # set after construction: the check is ours, not the config's
+    with pytest.raises(ValueError, match=flag):
+        core(cfg)
+    cfg = config()
+    cfg.fp8 = "hybrid"
+    with pytest.raises(ValueError, match="fp8"):
+        cp_layer_spec(cfg)

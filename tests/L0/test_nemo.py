@@ -161,3 +161,25 @@ def test_mixed_dense_and_moe_layers_are_refused_when_applied() -> None:
     assert flatten(recipe) == before
     recipe.model.config.moe_layer_freq = [1, 1, 1, 1]  # every layer MoE: one spec fits
     apply_cp(recipe, context_parallel_size=2)
+
+
+def test_local_attention_backend_and_model_config_alone_are_refused() -> None:
+    """NeMo 2's model construction swaps core attention for DotProductAttention under the local
+    backend, as Bridge's does: refused when applied, and when the spec is built after a later
+    edit. The model config alone (its CP size lives on the strategy) is not a Bridge config."""
+    from megatron.core.transformer.enums import AttnBackend
+
+    recipe = make_recipe()
+    recipe.model.config.attention_backend = AttnBackend.local
+    before = flatten(recipe)
+    with pytest.raises(ValueError, match="attention_backend"):
+        apply_cp(recipe, context_parallel_size=2)
+    assert flatten(recipe) == before
+    recipe = make_recipe()
+    apply_cp(recipe, context_parallel_size=2)
+    recipe.model.config.attention_backend = AttnBackend.local  # e.g. a CLI override afterwards
+    config = fdl.build(recipe)()[0].config
+    with pytest.raises(ValueError, match="attention_backend"):
+        config.transformer_layer_spec(config)
+    with pytest.raises(TypeError, match="NeMo 2 recipe"):
+        apply_cp(make_recipe().model.config, context_parallel_size=2)
