@@ -387,14 +387,13 @@ class CPCoreAttention(MegatronModule):
 
     @torch.compiler.disable(reason="host side: the micro-batch's sharding, cp_attention, the max-logit record")
     def _attend(self, query, key, value, packed_seq_params: PackedSeqParams | None, **kwargs: Any) -> torch.Tensor:
-        """``cp_attention`` (on the micro-batch's sharding for thd), recording the max logits
-        when Megatron asks for them. Excluded from dynamo as one unit: under ``torch.compile``
-        the layer has one graph break here (and one in :meth:`local_positions`), and the
-        per-micro-batch Python objects never reach a guard (``docs/compile.md``)."""
-        if packed_seq_params is not None:
-            kwargs["sharding"] = self.batch_context(packed_seq_params, query.shape[0]).sharding
+        """``cp_attention`` (on the micro-batch's sharding for thd), recording the max logits when
+        Megatron asks. One unit outside dynamo: one graph break here (and in :meth:`local_positions`),
+        and no per-micro-batch Python object reaches a guard (``docs/compile.md``)."""
+        if (ctx := packed_seq_params and self.batch_context(packed_seq_params, query.shape[0])) is not None:
+            kwargs["sharding"] = ctx.sharding
         if not self._max_logits:
             return cp_attention(query, key, value, **kwargs)
         out, max_logit = cp_attention(query, key, value, return_max_logit=True, **kwargs)
-        record_max_logit(self, max_logit)
+        record_max_logit(self, max_logit, padded=ctx is not None and len(set(ctx.values)) > 1)
         return out

@@ -67,7 +67,7 @@ def separate_padding(sharding: CPSharding, cu_seqlens_real: Sequence[int], *, na
     real length of each sequence, whose padding sits at its end. Sequence i becomes sequences
     ``2i`` (its real tokens) and ``2i+1`` (its padding), and each segment is cut at the border,
     so every rank keeps its tokens in the same local order. Real tokens then never see padding
-    under any mask, and padding sees only padding: exact attention (and max logits) on the real
+    under any mask, and padding sees only padding: exact attention on the real
     tokens, as TransformerEngine computes with ``cu_seqlens`` beside ``cu_seqlens_padded``.
     """
     cu = np.asarray(sharding.cu_seqlens, dtype=np.int64)
