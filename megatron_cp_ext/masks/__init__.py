@@ -39,6 +39,8 @@ class MaskSpec:
     Ignored (treated as 0) when ``causal``."""
     chunk: int | None = None
     """Chunked attention: only keys in the same ``chunk``-token chunk are visible."""
+    muted: frozenset[int] = frozenset()
+    """Sequences that attend nothing (a plan's copy of :attr:`~..sharding.CPSharding.muted`)."""
 
     @classmethod
     def make(cls, *, causal: bool, window_size: tuple[int, int] = (-1, -1), chunk_size: int | None = None) -> MaskSpec:

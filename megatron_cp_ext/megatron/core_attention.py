@@ -390,10 +390,10 @@ class CPCoreAttention(MegatronModule):
         """``cp_attention`` (on the micro-batch's sharding for thd), recording the max logits when
         Megatron asks. One unit outside dynamo: one graph break here (and in :meth:`local_positions`),
         and no per-micro-batch Python object reaches a guard (``docs/compile.md``)."""
-        if (ctx := packed_seq_params and self.batch_context(packed_seq_params, query.shape[0])) is not None:
-            kwargs["sharding"] = ctx.sharding
+        if packed_seq_params is not None:
+            kwargs["sharding"] = self.batch_context(packed_seq_params, query.shape[0]).sharding
         if not self._max_logits:
             return cp_attention(query, key, value, **kwargs)
         out, max_logit = cp_attention(query, key, value, return_max_logit=True, **kwargs)
-        record_max_logit(self, max_logit, padded=ctx is not None and len(set(ctx.values)) > 1)
+        record_max_logit(self, max_logit)
         return out

@@ -16,7 +16,6 @@ sink does not count (see :mod:`megatron_cp_ext.schedules.max_logit`).
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import torch
@@ -29,19 +28,9 @@ def wants_max_logits(config: Any) -> bool:
     return bool(getattr(config, "qk_clip", False) or getattr(config, "log_max_attention_logit", False))
 
 
-def record_max_logit(module: torch.nn.Module, batch_max: torch.Tensor, padded: bool = False) -> None:
+def record_max_logit(module: torch.nn.Module, batch_max: torch.Tensor) -> None:
     """Fold one forward's ``[heads]`` max into ``module.current_max_attn_logits`` (running max
-    over micro-batches until Megatron resets it to ``None``), as TE's attention does.
-
-    ``padded``: the batch has TE-layout padding (``cu_seqlens_q_padded`` beyond the real
-    lengths). Its padding attends to itself as sequences of its own, and those logits count in
-    the max, unlike TE's (which computes real tokens only): said once, not hidden."""
-    if padded:
-        warnings.warn(
-            "max attention logits of a batch with cu_seqlens_q_padded include the logits among each "
-            "document's padding tokens (TransformerEngine counts real tokens only); QK-clip may clip on them",
-            stacklevel=3,
-        )
+    over micro-batches until Megatron resets it to ``None``), as TE's attention does."""
     batch_max = batch_max.detach()
     current = getattr(module, "current_max_attn_logits", None)
     module.current_max_attn_logits = batch_max if current is None else torch.maximum(current, batch_max)

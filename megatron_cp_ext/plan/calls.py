@@ -159,10 +159,10 @@ class _Pieces:
     buf: np.ndarray
 
 
-def _pieces(lay: Layout, chunk: int | None) -> _Pieces:
+def _pieces(lay: Layout, chunk: int | None, muted: frozenset[int] = frozenset()) -> _Pieces:
     src, unit, s, e = chunk_units(lay.seq, lay.start, lay.end, chunk)
     row, buf = lay.row[src] + (s - lay.start[src]), lay.buf[src]
-    keep = e > s
+    keep = (e > s) & ~np.isin(lay.seq[src], sorted(muted)) if muted else e > s  # muted sequences: no part
     unit, s, e, row, buf = unit[keep], s[keep], e[keep], row[keep], buf[keep]
     order = np.lexsort((row, buf))
     unit, s, e, row, buf = unit[order], s[order], e[order], row[order], buf[order]
@@ -361,7 +361,7 @@ def plan_steps(q: Layout, kv: Layout, mask: MaskSpec, max_slices: int = MAX_SLIC
     """Per KV buffer id, the calls of queries laid out as ``q`` against keys laid out as ``kv``
     (``max_slices``: see :data:`MAX_SLICE_CALLS`). Buffers whose keys no query sees get no
     entry (callers treat a missing id as empty)."""
-    qp, kp = _pieces(q, mask.chunk), _pieces(kv, mask.chunk)
+    qp, kp = _pieces(q, mask.chunk, mask.muted), _pieces(kv, mask.chunk, mask.muted)
     calls = _calls(*_entries(qp, kp, mask), max_slices)
     return {b: StepPlan(c) for b, c in calls.items()}
 
@@ -387,7 +387,7 @@ def merge_ranges(key: np.ndarray, r0: np.ndarray, r1: np.ndarray):
 def visible_rows(q: Layout, kv: Layout, mask: MaskSpec) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Key rows some query sees, per (query buffer, key buffer) pair: ``(qbuf, kvbuf, lo, hi)``
     row ranges of the key buffers, sorted and merged. This is what a p2p transfer carries."""
-    qp, kp = _pieces(q, mask.chunk), _pieces(kv, mask.chunk)
+    qp, kp = _pieces(q, mask.chunk, mask.muted), _pieces(kv, mask.chunk, mask.muted)
     qi, ki = _join(qp, kp)
     lo, up = bounds(mask)
     ks = np.maximum(kp.start[ki], qp.start[qi] - lo)  # band of the query range, clipped to the keys

@@ -3,6 +3,7 @@ step machinery in :mod:`.common`; none carries its own kernels or merge."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from types import ModuleType
 
@@ -36,6 +37,8 @@ def schedule_of(plan) -> ModuleType:
 def build_plan(sharding: CPSharding, comm_type: str, cp_rank: int, a2a_size: int, mask: MaskSpec):
     """The host plan of CP rank ``cp_rank`` for ``comm_type`` (what ``cp_attention`` caches and
     :func:`megatron_cp_ext.inspect_plan` reports). ``a2a_size``: members of an a2a group."""
+    if sharding.muted:  # sequences that attend nothing (padding) take no part in any call or message
+        mask = dataclasses.replace(mask, muted=sharding.muted)
     if sharding.cp_size == 1:
         comm_type = "all_gather"  # a single rank: local attention, no communication
     if comm_type in ("a2a", "a2a+p2p"):

@@ -90,7 +90,7 @@ def _remote_rows(q: Layout, remote: Layout, mask: MaskSpec) -> tuple[np.ndarray,
 
     Key j is visible from query i of the same unit where ``i - lower <= j <= i + upper``, so a
     key range ``[ks, ke)`` is seen by the queries ``[ks - upper, ke + lower)``."""
-    qp, kp = _pieces(q, mask.chunk), _pieces(remote, mask.chunk)
+    qp, kp = _pieces(q, mask.chunk, mask.muted), _pieces(remote, mask.chunk, mask.muted)
     qi, ki = _join(qp, kp)
     lo, up = bounds(mask)
     p0 = np.maximum(qp.start[qi], kp.start[ki] - up)

@@ -101,6 +101,8 @@ class CPSharding:
     """How the segments were chosen (one of :data:`BALANCES`, or "custom")."""
     token_multiple: int = 1
     """The multiple the per-rank token counts were dealt in (:func:`rank_counts`); 1 for custom."""
+    muted: frozenset[int] = frozenset()
+    """Sequences whose tokens attend nothing, output 0 (TE-layout padding: :mod:`.te_layout`)."""
     _cache: dict = field(default_factory=dict, init=False, repr=False)  # not init: replace() gets fresh ones
     _plans: dict = field(default_factory=dict, init=False, repr=False)
 
@@ -146,12 +148,10 @@ class CPSharding:
         return tuple(tuple(Segment(*map(int, s)) for s in self.rank_segments(r)) for r in range(self.cp_size))
 
     def num_tokens(self, rank: int) -> int:
-        """Number of tokens rank ``rank`` holds (ranks may differ); every layer's call checks
-        its inputs against it, so the counts are computed once."""
+        """Tokens rank ``rank`` holds (ranks may differ): every layer checks its inputs against it."""
         counts = self._cache.get("num_tokens")
         if counts is None:
-            n = self.seg[:, 2] - self.seg[:, 1]
-            ptr = self.rank_ptr
+            n, ptr = self.seg[:, 2] - self.seg[:, 1], self.rank_ptr
             counts = self._cache["num_tokens"] = tuple(int(n[ptr[r] : ptr[r + 1]].sum()) for r in range(self.cp_size))
         return counts[self._rank(rank)]
 

@@ -67,8 +67,9 @@ def separate_padding(sharding: CPSharding, cu_seqlens_real: Sequence[int], *, na
     real length of each sequence, whose padding sits at its end. Sequence i becomes sequences
     ``2i`` (its real tokens) and ``2i+1`` (its padding), and each segment is cut at the border,
     so every rank keeps its tokens in the same local order. Real tokens then never see padding
-    under any mask, and padding sees only padding: exact attention on the real
-    tokens, as TransformerEngine computes with ``cu_seqlens`` beside ``cu_seqlens_padded``.
+    under any mask, and padding sequences are :attr:`~.CPSharding.muted`: their tokens attend
+    nothing (output 0, no gradient, no max logit, no transfer), as TransformerEngine computes
+    real tokens only with ``cu_seqlens`` beside ``cu_seqlens_padded``.
     """
     cu = np.asarray(sharding.cu_seqlens, dtype=np.int64)
     real = np.diff(np.asarray(check_cu_seqlens(cu_seqlens_real, name), dtype=np.int64))
@@ -87,4 +88,6 @@ def separate_padding(sharding: CPSharding, cu_seqlens_real: Sequence[int], *, na
         tail = np.stack([2 * seq + 1, np.maximum(start, border) - border, end - border], axis=1)
         rows = np.stack([head, tail], axis=1).reshape(-1, 3)  # head before tail: local order kept
         per_rank.append(rows[rows[:, 2] > rows[:, 1]])
-    return CPSharding._of([0, *np.cumsum(lens).tolist()], per_rank, sharding.balance)
+    out = CPSharding._of([0, *np.cumsum(lens).tolist()], per_rank, sharding.balance)
+    out.muted = frozenset(2 * i + 1 for i in np.nonzero(padded > real)[0].tolist())  # its queries attend nothing
+    return out

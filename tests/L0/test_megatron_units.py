@@ -8,7 +8,6 @@ import dataclasses
 import functools
 import inspect
 import math
-import warnings
 
 import pytest
 import torch
@@ -467,24 +466,3 @@ def test_fp8_attention_is_refused_not_ignored(flag) -> None:
     cfg.fp8 = "hybrid"
     with pytest.raises(ValueError, match="fp8"):
         cp_layer_spec(cfg)
-
-
-def test_max_logits_of_a_padded_batch_come_with_a_warning() -> None:
-    """TE's padded layout: the padding attends to itself and its logits count in the max (TE
-    counts real tokens only), so recording them warns; a batch without padding does not."""
-    from megatron.core.packed_seq_params import PackedSeqParams
-
-    def params(real: list[int], padded: list[int]) -> PackedSeqParams:
-        r, p = torch.tensor(real, dtype=torch.int32), torch.tensor(padded, dtype=torch.int32)
-        return PackedSeqParams(qkv_format="thd", cu_seqlens_q=r, cu_seqlens_kv=r, cu_seqlens_q_padded=p,
-                               cu_seqlens_kv_padded=p, max_seqlen_q=8, max_seqlen_kv=8)  # fmt: skip
-
-    attn = core(config(log_max_attention_logit=True))
-    q, k, v = (torch.randn(12, h, 8) for h in (4, 2, 2))
-    with pytest.warns(UserWarning, match="padding"):
-        attn(q, k, v, None, packed_seq_params=params([0, 5, 8], [0, 8, 12]))
-    assert attn.current_max_attn_logits.shape == (4,)
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        attn(q, k, v, None, packed_seq_params=params([0, 8, 12], [0, 8, 12]))
-    assert not [w for w in seen if "padding" in str(w.message)]

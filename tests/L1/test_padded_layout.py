@@ -1,0 +1,82 @@
+"""TransformerEngine's padded THD layout (``cu_seqlens`` beside ``cu_seqlens_padded``) on every
+comm type, against dense fp64 attention over the real tokens alone: real rows exact, padding rows
+0 with zero gradients, and max logits over real tokens only, however large the padding's logits."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import megatron_cp_ext as mcx
+from megatron_cp_ext.sharding.te_layout import separate_padding
+from megatron_cp_ext.testing.cases import AttnCase, cp_group_for
+from megatron_cp_ext.testing.pool import run_on_ranks
+from megatron_cp_ext.testing.reference import dense_attention
+
+REAL = [5, 13, 0, 1, 8]  # real lengths; each padded to a multiple of 2 * cp
+HQ, HKV, D = 4, 2, 8
+PAD_VALUE = 10.0  # padding rows of q and k: logits of 10 * 10 * D * scale among themselves
+
+
+def _batch(cp: int):
+    padded = [-(-n // (2 * cp)) * 2 * cp + (2 * cp if n % 3 == 0 else 0) for n in REAL]  # some all-padding slots
+    cu_real = [0, *torch.tensor(REAL).cumsum(0).tolist()]
+    cu_pad = [0, *torch.tensor(padded).cumsum(0).tolist()]
+    real_rows = torch.cat([torch.arange(a, a + n) for a, n in zip(cu_pad[:-1], REAL)])
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(cu_pad[-1], h, D, generator=g, dtype=torch.float64) for h in (HQ, HKV, HKV))
+    pad = torch.ones(cu_pad[-1], dtype=torch.bool)
+    pad[real_rows] = False
+    q[pad], k[pad] = PAD_VALUE, PAD_VALUE
+    return cu_real, cu_pad, real_rows, q, k, v
+
+
+def _weight(n: int) -> torch.Tensor:
+    """The loss weights of the global output (one loss over every rank's rows)."""
+    return torch.arange(1, n * HQ * D + 1, dtype=torch.float64).view(n, HQ, D).sin()
+
+
+def _worker(rank: int, world: int, comm: str) -> dict:
+    cu_real, cu_pad, _, q, k, v = _batch(world)
+    sharding = separate_padding(mcx.te_thd_sharding(cu_pad, world), cu_real)
+    group = cp_group_for(AttnCase(seqlens=tuple(REAL), comm_type=comm, a2a_size=2), world)
+    local = [sharding.shard(x, rank).requires_grad_() for x in (q, k, v)]
+    out, top = mcx.cp_attention(*local, cp_group=group, comm_type=comm, sharding=sharding, causal=True,
+                                return_max_logit=True)  # fmt: skip
+    (out * sharding.shard(_weight(cu_pad[-1]), rank)).sum().backward()
+    return {"out": out.detach(), "max": top, "grads": [x.grad for x in local], "index": sharding.global_index(rank)}
+
+
+@pytest.mark.parametrize(("world", "comm"), [(2, "p2p"), (2, "all_gather"), (2, "a2a"), (4, "p2p"), (4, "a2a+p2p")])
+def test_padding_attends_nothing_and_never_reaches_max_logits(world: int, comm: str) -> None:
+    cu_real, cu_pad, real_rows, q, k, v = _batch(world)
+    results = run_on_ranks(world, _worker, comm)
+    n = cu_pad[-1]
+    out = torch.zeros(n, HQ, D, dtype=torch.float64)
+    grads = [torch.zeros_like(x) for x in (q, k, v)]
+    for r in results:
+        out[r["index"]] = r["out"]
+        for g, part in zip(grads, r["grads"], strict=True):
+            g[r["index"]] = part
+    ref = [x[real_rows].clone().requires_grad_() for x in (q, k, v)]
+    want = dense_attention(*ref, cu_real, causal=True)
+    weight = _weight(n)[real_rows]
+    (want * weight).sum().backward()
+    pad = torch.ones(n, dtype=torch.bool)
+    pad[real_rows] = False
+    assert pad.any() and torch.equal(out[pad], torch.zeros_like(out[pad]))
+    torch.testing.assert_close(out[real_rows], want.detach(), rtol=0, atol=1e-10)
+    for g, r in zip(grads, ref, strict=True):
+        assert torch.equal(g[pad], torch.zeros_like(g[pad]))
+        torch.testing.assert_close(g[real_rows], r.grad, rtol=0, atol=1e-10)
+    kk = ref[1].detach().repeat_interleave(HQ // HKV, dim=1)
+    s = torch.einsum("qhd,khd->hqk", ref[0].detach(), kk) / math.sqrt(D)
+    seq = torch.repeat_interleave(torch.arange(len(REAL)), torch.tensor(REAL))
+    pos = torch.cat([torch.arange(x) for x in REAL])
+    vis = (seq[:, None] == seq[None, :]) & (pos[None, :] <= pos[:, None])
+    top = s.masked_fill(~vis[None], float("-inf")).flatten(1).amax(1)
+    assert top.max() < PAD_VALUE**2  # the padding's own logits would be far larger
+    for r in results:
+        torch.testing.assert_close(r["max"].double(), top, rtol=0, atol=1e-6)
