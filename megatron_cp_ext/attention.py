@@ -200,11 +200,12 @@ def _auto(cp_group, groups: CPGroups, sharding: CPSharding, mask: MaskSpec, shap
 def _fingerprint(sharding: CPSharding) -> dict:
     state = _SIG_STATE.get(sharding)
     if state is None:  # setdefault: ranks run as threads share one state (else one skips an exchange)
+        muted = repr(sorted(sharding.muted)).encode()  # padding that attends nothing changes every call
         state = _SIG_STATE.setdefault(sharding, {
             "cu_crc": zlib.crc32(",".join(map(str, sharding.cu_seqlens)).encode()),
             "total_tokens": sharding.total_tokens,
             "num_seqs": sharding.num_seqs,
-            "seg_crc": zlib.crc32(sharding.seg.tobytes() + sharding.rank_ptr.tobytes()),
+            "seg_crc": zlib.crc32(sharding.seg.tobytes() + sharding.rank_ptr.tobytes() + muted),
             "agreed": set(),
         })  # fmt: skip
     return state

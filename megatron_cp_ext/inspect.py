@@ -21,6 +21,7 @@ Counting conventions (all per layer):
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -194,7 +195,7 @@ def _needed_rows(sharding: CPSharding, rank: int, mask: MaskSpec) -> int:
     segs = [sharding.rank_segments(r) for r in range(sharding.cp_size)]
     mine = Layout.packed(segs[rank][:, 0], segs[rank][:, 1], segs[rank][:, 2])
     others = [Layout.packed(s[:, 0], s[:, 1], s[:, 2], buf=j) for j, s in enumerate(segs) if j != rank]
-    _, _, lo, hi = visible_rows(mine, Layout.concat(others), mask)
+    _, _, lo, hi = visible_rows(mine, Layout.concat(others), dataclasses.replace(mask, muted=sharding.muted))
     return int((hi - lo).sum())
 
 

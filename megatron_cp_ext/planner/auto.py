@@ -16,6 +16,7 @@ building every rank's plan for every candidate took about half a second); with t
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 
@@ -121,6 +122,7 @@ def resolve(cp_group, groups: CPGroups, sharding: CPSharding, mask: MaskSpec, sh
     whole = getattr(cp_group, "cp_group", None) if pair else cp_group
     flat = ("p2p", "all_gather", "a2a") if whole is not None else ()
     candidates = (("a2a+p2p",) if pair else ()) + flat
+    mask = dataclasses.replace(mask, muted=sharding.muted)  # priced as the plans run: padding takes no part
     best, _ = choose_comm_type(
         sharding, mask, candidates=candidates, a2a_size=groups.a2a_size, num_heads=shapes.hq,
         num_kv_heads=shapes.hkv, head_dim=shapes.dqk, v_head_dim=shapes.dv, dtype=shapes.dtype,

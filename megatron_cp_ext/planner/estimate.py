@@ -82,7 +82,7 @@ def _geometry(seg, owner, n: int, mask: MaskSpec, ring: bool, gather: bool, merg
     first = np.searchsorted(owner, owner, "left")
     lay = Layout(seg[:, 0], seg[:, 1], seg[:, 2], at - at[first] if len(at) else at, owner)
     lo, up = bounds(mask)
-    p = _pieces(lay, mask.chunk)
+    p = _pieces(lay, mask.chunk, mask.muted)
     qi, ki = _join(p, p)
     # merging pays where units hold many pieces (the join is then much longer than p)
     ch = merge_chains(p, lo, up, merge=merge and len(qi) > 4 * len(p.unit))
@@ -134,7 +134,7 @@ def _gather_docs(lay: Layout, n: int, mask: MaskSpec) -> tuple[np.ndarray, np.nd
     (rank, unit) are taken as one range, the hull of what its pieces see (a window can leave
     gaps the plan drops: then it prices a little more area)."""
     lo, up = bounds(mask)
-    p = _pieces(lay, mask.chunk)
+    p = _pieces(lay, mask.chunk, mask.muted)
     if not len(p.unit):
         return np.zeros(n), np.zeros(n, np.int64)
     units, inv = np.unique(p.unit, return_inverse=True)

@@ -34,7 +34,9 @@ def local_share(seg: np.ndarray, owner: np.ndarray, counts: np.ndarray, mask: Ma
     length = seg[:, 2] - seg[:, 1]
     at = np.cumsum(length) - length
     first = np.searchsorted(owner, owner, "left")
-    p = _pieces(Layout(seg[:, 0], seg[:, 1], seg[:, 2], at - at[first] if len(at) else at, owner), mask.chunk)
+    p = _pieces(
+        Layout(seg[:, 0], seg[:, 1], seg[:, 2], at - at[first] if len(at) else at, owner), mask.chunk, mask.muted
+    )
     qi, ki = _join(p, p)
     qi, ki = qi[p.buf[qi] != p.buf[ki]], ki[p.buf[qi] != p.buf[ki]]
     lo, up = bounds(mask)

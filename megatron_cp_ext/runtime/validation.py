@@ -141,6 +141,16 @@ def as_scale(value: object, name: str = "softmax_scale") -> float | None:
     return out
 
 
+def as_seq_ids(value: object, num_seqs: int, name: str = "muted") -> frozenset[int]:
+    """A set of sequence indices ``0 <= i < num_seqs`` as a frozenset of Python ints."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, (set, frozenset, list, tuple)):
+        raise CPArgumentTypeError(f"{name} must be a set of sequence indices, {_got(value)}")
+    ids = frozenset(as_int(i, name, minimum=0) for i in value)
+    if ids and max(ids) >= num_seqs:
+        raise CPArgumentError(f"{name} holds sequence {max(ids)}, but the batch has {num_seqs} sequences")
+    return ids
+
+
 INT32_MAX = 2**31 - 1
 """Largest ``cu_seqlens`` entry: the local kernels take int32 offsets."""
 

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from ..masks import MaskSpec
-from ..runtime.validation import INT32_MAX, CPArgumentError, CPArgumentTypeError, as_int, as_ints
+from ..runtime.validation import INT32_MAX, CPArgumentError, CPArgumentTypeError, as_int, as_ints, as_seq_ids
 from . import splits
 
 __all__ = ["Segment", "CPSharding", "shard_sequences", "check_cu_seqlens", "rank_counts", "BALANCES"]
@@ -108,7 +108,7 @@ class CPSharding:
 
     def __post_init__(self) -> None:
         self.seg = np.asarray(self.seg, dtype=np.int64).reshape(-1, 3)
-        self.rank_ptr = np.asarray(self.rank_ptr, dtype=np.int64)
+        self.rank_ptr, self.muted = np.asarray(self.rank_ptr, np.int64), as_seq_ids(self.muted, self.num_seqs)
         if len(self.rank_ptr) != self.cp_size + 1:
             raise CPArgumentError(f"segments must list {self.cp_size} ranks, got {len(self.rank_ptr) - 1}")
         _check_partition(self.cu_seqlens, self.seg)

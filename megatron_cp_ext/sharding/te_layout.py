@@ -14,6 +14,7 @@ first chunks, then all second ones) and in refusing lengths that are not multipl
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
@@ -88,6 +89,5 @@ def separate_padding(sharding: CPSharding, cu_seqlens_real: Sequence[int], *, na
         tail = np.stack([2 * seq + 1, np.maximum(start, border) - border, end - border], axis=1)
         rows = np.stack([head, tail], axis=1).reshape(-1, 3)  # head before tail: local order kept
         per_rank.append(rows[rows[:, 2] > rows[:, 1]])
-    out = CPSharding._of([0, *np.cumsum(lens).tolist()], per_rank, sharding.balance)
-    out.muted = frozenset(2 * i + 1 for i in np.nonzero(padded > real)[0].tolist())  # its queries attend nothing
-    return out
+    muted = [2 * i + 1 for i in np.nonzero(padded > real)[0].tolist()]  # padding: its tokens attend nothing
+    return dataclasses.replace(CPSharding._of([0, *np.cumsum(lens).tolist()], per_rank, sharding.balance), muted=muted)

@@ -48,7 +48,7 @@ def token_ids(sharding: CPSharding, rank: int) -> list[tuple[int, int]]:
 def visible_pairs(sharding: CPSharding, mask: MaskSpec) -> set:
     """Every visible ((seq, q position), (seq, k position)) pair of the batch, by definition."""
     out = set()
-    for s in range(sharding.num_seqs):
+    for s in sorted(set(range(sharding.num_seqs)) - sharding.muted):  # muted sequences attend nothing
         n = sharding.seq_len(s)
         out |= {((s, q), (s, k)) for q in range(n) for k in range(n) if mask.visible(q, k)}
     return out

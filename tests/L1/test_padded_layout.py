@@ -4,10 +4,12 @@ comm type, against dense fp64 attention over the real tokens alone: real rows ex
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import megatron_cp_ext as mcx
 from megatron_cp_ext.sharding.te_layout import separate_padding
@@ -80,3 +82,34 @@ def test_padding_attends_nothing_and_never_reaches_max_logits(world: int, comm: 
     assert top.max() < PAD_VALUE**2  # the padding's own logits would be far larger
     for r in results:
         torch.testing.assert_close(r["max"].double(), top, rtol=0, atol=1e-6)
+
+
+def _divergent(rank: int, world: int, check: bool) -> str:
+    """Rank 1 forgot the padding's muting (a sharding rebuilt without it): refused everywhere."""
+    cu_real, cu_pad, _, q, k, v = _batch(world)
+    sharding = separate_padding(mcx.te_thd_sharding(cu_pad, world), cu_real)
+    if rank == 1:
+        sharding = dataclasses.replace(sharding, muted=frozenset())
+    local = [sharding.shard(x, rank) for x in (q, k, v)]
+    try:
+        mcx.cp_attention(*local, cp_group=dist.group.WORLD, sharding=sharding, causal=True, check=check)
+    except mcx.CPRankMismatchError as err:
+        return str(err)
+    return ""
+
+
+@pytest.mark.parametrize("check", [False, True])
+def test_ranks_that_disagree_on_muted_sequences_are_refused(check: bool) -> None:
+    messages = run_on_ranks(2, _divergent, check, timeout=60)
+    assert all(messages) and len(set(messages)) == 1, messages
+
+
+def test_inspect_counts_what_the_plans_move() -> None:
+    """p2p moves exactly the rows other ranks' queries see: with the padding muted, the report's
+    needed rows leave the padding out as the plans do (received == needed on every rank)."""
+    cu_real, cu_pad, *_ = _batch(4)
+    sharding = separate_padding(mcx.te_thd_sharding(cu_pad, 4), cu_real)
+    assert sharding.muted == {2 * i + 1 for i, n in enumerate(REAL) if _batch(4)[1][i + 1] - _batch(4)[1][i] > n}
+    report = mcx.inspect_plan(sharding, "p2p", causal=True)
+    for r in report.ranks.values():
+        assert r.bytes_received["forward"] == r.bytes_needed["forward"] > 0
