@@ -21,6 +21,7 @@ from types import ModuleType
 import torch
 import torch.distributed as dist
 
+from . import schedules
 from .backends import BACKENDS, get_backend
 from .backends import backend_name as resolved_name
 from .masks import MaskSpec
@@ -154,6 +155,8 @@ def _prepare(q, k, v, a: dict, known: _Known) -> _Call:
         sharding = fixed_length_sharding(*seq_dims, groups.size, fmt)
         q, k, v = (rows_to_thd(x, groups.size) for x in (q, k, v))
     shapes = check_qkv(q, k, v)
+    if schedules.P2P_SCHEDULE not in ("staged", "ring"):
+        raise CPArgumentError(f"MEGATRON_CP_EXT_P2P_SCHEDULE must be staged or ring, got {schedules.P2P_SCHEDULE!r}")
     if shapes.device.type == "meta" and groups.size > 1:
         raise CPArgumentError("q, k, v are on the meta device: shape-only runs are for CP 1 (CP moves data)")
     if scale is not None and shapes.dtype != torch.float64 and scale > torch.finfo(torch.float32).max:
@@ -232,7 +235,7 @@ def _signature(c: _Call, state: dict) -> tuple[int, ...]:
         grad=c.grad, sink=agr.sink_field(c.offset, c.check),
         cu_crc=state["cu_crc"], total_tokens=state["total_tokens"], num_seqs=state["num_seqs"],
         seg_crc=state["seg_crc"], tokens=s.tokens, rank_tokens=c.sharding.num_tokens(g.rank), max_logit=c.max_logit,
-        auto=c.auto,
+        auto=c.auto, schedule=("staged", "ring").index(schedules.P2P_SCHEDULE),
     )  # fmt: skip
 
 
@@ -244,7 +247,7 @@ def _checked(q, k, v, args: dict) -> _Call:
         c = _prepare(q, k, v, args, known)
         c.max_logit = as_bool(args["return_max_logit"], "return_max_logit")
         sig = _signature(c, _fingerprint(c.sharding))
-    except (ValueError, TypeError) as err:
+    except (ValueError, TypeError, OSError) as err:  # OSError: an unreadable planner profile (auto)
         agr.raise_everywhere(err, known.groups, known.cp_size, known.cp_rank, cp_group=args["cp_group"])
         raise  # unreachable: raise_everywhere always raises
     _agree(c, sig)

@@ -35,7 +35,7 @@ ERROR_WAIT_S = 60.0
 """How long a rank with an invalid argument waits for the others to join the exchange before
 raising its error alone (they may be running attention on a cached plan; see check mode)."""
 
-_MAGIC = 0x4D4358_0D  # "MCX", signature layout 13: a rank with another layout never matches
+_MAGIC = 0x4D4358_0E  # "MCX", signature layout 14: a rank with another layout never matches
 _MSG_LEN = 1024
 
 FIELDS = (
@@ -43,6 +43,7 @@ FIELDS = (
     "a2a_name", "a2a_members", "p2p_name", "p2p_members", "qkv_format", "check", "batch", "seq_local",
     "dtype", "device", "hq", "hkv", "dqk", "dv", "causal", "left", "right", "chunk", "scale", "backend",
     "grad", "sink", "cu_crc", "total_tokens", "num_seqs", "seg_crc", "tokens", "rank_tokens", "max_logit", "auto",
+    "schedule",
 )  # fmt: skip
 """Signature layout (one int64 each); -1 where an erroring rank could not tell."""
 
@@ -237,6 +238,7 @@ _AGREE: list[tuple[tuple[str, ...], str, str, Callable]] = [
     (("total_tokens", "num_seqs", "cu_crc"), "cu_seqlens", " (of the sharding)",
      lambda x: f"{x[0]} tokens in {x[1]} sequences (crc {x[2]:#x})"),
     (("seg_crc",), "sharding", " (token -> rank assignment: balance or custom segments)", lambda x: f"crc {x:#x}"),
+    (("schedule",), "MEGATRON_CP_EXT_P2P_SCHEDULE", " (environment; p2p rings)", _name(("staged", "ring"))),
 ]  # fmt: skip
 
 

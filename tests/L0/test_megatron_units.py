@@ -462,7 +462,8 @@ def test_fp8_attention_is_refused_not_ignored(flag) -> None:
     setattr(cfg, flag, True)  # set after construction: the check is ours, not the config's
     with pytest.raises(ValueError, match=flag):
         core(cfg)
-    cfg = config()
-    cfg.fp8 = "hybrid"
-    with pytest.raises(ValueError, match="fp8"):
-        cp_layer_spec(cfg)
+    for low, value in (("fp8", "hybrid"), ("fp4", "nvfp4")):
+        cfg = config()
+        setattr(cfg, low, value)
+        with pytest.raises(ValueError, match=f"config.{low}"):
+            cp_layer_spec(cfg)

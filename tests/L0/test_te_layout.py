@@ -102,6 +102,7 @@ def test_padding_becomes_sequences_of_its_own_in_the_same_local_order() -> None:
     te = mcx.te_thd_sharding(padded, 2)
     split = separate_padding(te, real)
     assert split.cu_seqlens == (0, 5, 8, 16, 16, 16, 24)
+    assert split.muted == {1, 5}  # the padding sequences that hold tokens: they attend nothing
     for rank in range(2):  # same global tokens, same order: the data split needs no change
         assert split.global_index(rank).tolist() == te.global_index(rank).tolist()
     with pytest.raises(mcx.CPArgumentError, match="no longer than its padded slot"):
@@ -118,3 +119,15 @@ def test_padded_context_keeps_padding_apart() -> None:
     real.copy_(torch.tensor([0, 4, 6]))  # the real lengths alone refilled: the context follows
     assert cp_context(ctx_params := _plain(real, padded), 2, 0).sharding.cu_seqlens == (0, 4, 4, 6, 12)
     assert cp_context(ctx_params, 2, 0) is cp_context(ctx_params, 2, 0)
+
+
+def test_muted_must_be_sequence_ids() -> None:
+    import dataclasses
+
+    sh = mcx.shard_sequences([0, 4, 8], 2)
+    assert dataclasses.replace(sh, muted=[1]).muted == frozenset({1})
+    with pytest.raises(mcx.CPArgumentError, match="muted holds sequence 2"):
+        dataclasses.replace(sh, muted={2})
+    for bad in (["x"], "1", {1.0}):
+        with pytest.raises(TypeError, match="muted"):
+            dataclasses.replace(sh, muted=bad)

@@ -272,3 +272,27 @@ def test_suite_size():
     """The issue asks for at least 60 bad-input cases, rank-divergent ones included."""
     bad = len(UNIFORM) + 2 * len(DIVERGENT) + 2 * len(DRIFT) + 5
     assert bad >= 60 and len(DIVERGENT) >= 20
+
+
+def _schedule_on_rank0(rank: int, world: int, value: str) -> dict:
+    """Rank 0 runs under another ``MEGATRON_CP_EXT_P2P_SCHEDULE`` (set per process)."""
+    from megatron_cp_ext import schedules
+
+    before = schedules.P2P_SCHEDULE
+    if rank == 0:
+        schedules.P2P_SCHEDULE = value
+    try:
+        return attempt(rank, world, Fault("schedule", {}, VE, "MEGATRON_CP_EXT_P2P_SCHEDULE"))
+    finally:
+        schedules.P2P_SCHEDULE = before
+
+
+@pytest.mark.parametrize(("value", "expect"), [("ring", ME), ("bogus", VE)])
+def test_p2p_schedule_that_differs_or_is_unknown_on_one_rank(value, expect) -> None:
+    """Read per process from the environment: a rank on the ring while its peers run staged would
+    hang in the backward, and an unknown name raised on that rank alone; now one error everywhere."""
+    fault = Fault("schedule", {}, expect, "MEGATRON_CP_EXT_P2P_SCHEDULE")
+    results = run_on_ranks(2, _schedule_on_rank0, value, timeout=WATCHDOG_S)
+    for r in results:
+        r["expected_type"] = r["type"] == expect.__name__
+    _assert_same_error(results, fault)
