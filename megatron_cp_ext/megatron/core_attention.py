@@ -12,13 +12,11 @@ layer, groups, window, chunking, unsupported options) is decided there, so forwa
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.enums import AttnMaskType
@@ -29,12 +27,12 @@ from megatron.core.transformer.utils import is_layer_window_attention
 from .. import COMM_TYPES, cp_attention
 from ..backends import BACKENDS
 from ..runtime import agreement
-from ..runtime.groups import HierarchicalCPGroups
 from ..runtime.validation import CPArgumentError, as_bool, as_choice, as_chunk, as_window
 from .context import LAYOUTS, CPBatchContext, check_token_multiple, count_refusal, cp_context, router_losses
+from .hierarchical import hierarchical_groups, hierarchical_groups_from_sizes
 from .qk_clip import record_max_logit, wants_max_logits
 from .sinks import install_softmax_offset, offset_sharded_state_dict
-from .subgroups import call_group
+from .subgroups import call_group, peer_groups
 
 __all__ = ["CPAttentionOptions", "CPCoreAttention", "hierarchical_groups_from_sizes", "resolve_cp_comm_type"]
 
@@ -101,64 +99,6 @@ def resolve_cp_comm_type(cp_comm_type: str | None, config: TransformerConfig, la
     return choice
 
 
-_HCP_CACHE: dict[tuple, list[dist.ProcessGroup]] = {}
-
-
-def hierarchical_groups_from_sizes(cp_group: dist.ProcessGroup, sizes: Sequence[int]) -> list[dist.ProcessGroup]:
-    """``[a2a_group, p2p_group]`` for ``cp_group`` split as ``sizes = [a2a, p2p]``.
-
-    For launchers that set ``hierarchical_context_parallel_sizes`` on the model config but do
-    not create Megatron's hierarchical groups (NeMo 2). Collective over the default group:
-    every CP layer calls it at construction whatever its comm type (so pipeline stages whose
-    layers differ all take part at their first layer); created once per CP group and cached
-    (a rebuilt ``parallel_state`` gets new ones). a2a groups are consecutive CP ranks:
-    CP rank = p2p_rank * a2a + a2a_rank, as in Megatron.
-    """
-    ranks = tuple(dist.get_process_group_ranks(cp_group))
-    sizes = tuple(int(x) for x in sizes)
-    if len(sizes) != 2 or sizes[0] * sizes[1] != len(ranks):
-        raise ValueError(f"hierarchical CP sizes must be [a2a, p2p] with product {len(ranks)}, got {list(sizes)}")
-    key = (ranks, sizes)
-    cached = _HCP_CACHE.get(key)
-    if cached is None or cached.cp_group is not cp_group:
-        everyone: list = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, ranks)
-        a2a = sizes[0]
-        for group_ranks in sorted(set(everyone)):
-            levels = (
-                [list(group_ranks[i : i + a2a]) for i in range(0, len(group_ranks), a2a)],
-                [list(group_ranks[j::a2a]) for j in range(a2a)],
-            )
-            mine: list = [None, None]
-            for level, subgroups in enumerate(levels):
-                for sub in subgroups:
-                    g = dist.new_group(sub)
-                    if dist.get_rank() in sub:
-                        mine[level] = g
-            if group_ranks == ranks:
-                _HCP_CACHE[key] = HierarchicalCPGroups(mine[0], mine[1], cp_group)
-    return _HCP_CACHE[key]
-
-
-def _hierarchical_groups(config: TransformerConfig, pg: ProcessGroupCollection, cp_group) -> list:
-    groups = getattr(pg, "hcp", None) or parallel_state.get_hierarchical_context_parallel_groups(
-        check_initialized=False
-    )
-    if groups:
-        if len(groups) != 2:
-            raise ValueError(f"cp_comm_type 'a2a+p2p' supports two levels [a2a, p2p]; got {len(groups)} groups")
-        # Carry the whole CP group: the engine's consistency exchange runs on it.
-        return HierarchicalCPGroups(groups[0], groups[1], cp_group)
-    sizes = getattr(config, "hierarchical_context_parallel_sizes", None)
-    if sizes:
-        return hierarchical_groups_from_sizes(cp_group, sizes)
-    raise ValueError(
-        "cp_comm_type 'a2a+p2p' needs hierarchical CP groups: set hierarchical_context_parallel_sizes "
-        "(--hierarchical-context-parallel-sizes A2A P2P, product = context_parallel_size) so Megatron "
-        "creates them, or pass pg_collection.hcp; refusing to fall back to another comm type"
-    )
-
-
 class CPCoreAttention(MegatronModule):
     """Megatron core attention running :func:`megatron_cp_ext.cp_attention`.
 
@@ -213,7 +153,7 @@ class CPCoreAttention(MegatronModule):
             use_hcp = self.cp_comm_type == "a2a+p2p" or (self.cp_comm_type == "auto" and bool(hcp))
             # every layer builds them when configured: groups from sizes are a collective that ranks
             # whose layers differ (pipeline stages) must all join, at their first layer
-            pair = _hierarchical_groups(config, pg_collection, cp_group) if hcp or use_hcp else None
+            pair = hierarchical_groups(config, pg_collection, cp_group) if hcp or use_hcp else None
             self.comm_group = pair if use_hcp else cp_group
         window = config.window_size
         use_window = is_layer_window_attention(window, config.window_attn_skip_freq, self.layer_number)
@@ -266,17 +206,19 @@ class CPCoreAttention(MegatronModule):
                 check_token_multiple(ctx.sharding, self.sp_multiple, f"sequence parallelism (TP {self.sp_multiple})")
                 self._sp_checked = ctx.sharding
         except CPArgumentError as err:
-            self._refuse_everywhere(err)
+            self._refuse_everywhere(err, packed_seq_params)
         return ctx
 
-    def _refuse_everywhere(self, err: ValueError) -> NoReturn:
+    def _refuse_everywhere(self, err: ValueError, params: PackedSeqParams | None = None) -> NoReturn:
         """Raise ``err`` (as a ``CPArgumentError``) on every CP rank: a rank whose data was split
         otherwise (it recorded another split, or none) would else attend alone and wait in its
         first exchange. This rank joins ``cp_attention``'s consistency exchange with the error
-        flag (never returns)."""
+        flag (never returns), on the layer's CP group, then on the hybrid CP sub-groups
+        ``params`` name (:func:`~.subgroups.peer_groups`)."""
         err = err if isinstance(err, CPArgumentError) else CPArgumentError(str(err))
         group = self.comm_group if self.cp_size > 1 else None
-        agreement.raise_everywhere(err, None, self.cp_size, self.cp_rank, wait=REFUSAL_WAIT_S, cp_group=group)
+        also = peer_groups(params) if params is not None else ()
+        agreement.raise_everywhere(err, None, self.cp_size, self.cp_rank, REFUSAL_WAIT_S, group, also)
 
     @torch.compiler.disable(reason="host side: the micro-batch's sharding and its checks")
     def local_positions(
@@ -366,9 +308,11 @@ class CPCoreAttention(MegatronModule):
         # At CP size 1 nothing moves; any comm type is plain local attention.
         group, comm = self.comm_group, self.cp_comm_type if self.cp_size > 1 else "p2p"
         if packed_seq_params is not None and not thd:  # Megatron's hybrid CP: a group per sub-sample
-            sub = call_group(packed_seq_params, self.cp_group, self.comm_group, self.cp_comm_type, thd=False)
-            if sub is not None:
-                group, comm = sub
+            try:
+                sub = call_group(packed_seq_params, self.cp_group, self.comm_group, self.cp_comm_type, thd=False)
+            except CPArgumentError as err:
+                self._refuse_everywhere(err, packed_seq_params)
+            group, comm = sub if sub is not None else (group, comm)
         kwargs = dict(
             cp_group=group,
             comm_type=comm,

@@ -150,9 +150,9 @@ def local_token_positions(attention: torch.nn.Module, s_local: int, packed_seq_p
     cp_size, cp_rank = (cp.size(), cp.rank()) if cp is not None else (1, 0)
     try:
         return _zigzag_positions_on(s_local, cp_size, cp_rank, torch.device(device))
-    except ValueError as err:  # this rank's length alone: its CP peers wait in the layer's exchange
-        if cp is attention.pg_collection.cp and cp_size > 1:
-            attention.core_attention._refuse_everywhere(err)
+    except ValueError as err:  # this rank's length alone: its CP peers (layer or sub-group) wait in an exchange
+        if cp_size > 1:
+            attention.core_attention._refuse_everywhere(err, packed_seq_params)
         raise
 
 

@@ -102,8 +102,8 @@ class CPSelfAttention(SelfAttention):
                 rotary_pos_emb, positions=positions, s_local=s_local, cp_size=cp_size, cp_rank=cp_rank
             )
         except ValueError as err:  # sbhd/bshd lengths, table rows: this rank's own values
-            if cp is self.pg_collection.cp and cp_size > 1:  # its peers wait in the layer's exchange
-                self.core_attention._refuse_everywhere(err)
+            if cp_size > 1:  # its peers wait in the exchange of the layer's group or of the params' sub-group
+                self.core_attention._refuse_everywhere(err, packed_seq_params)
             raise
 
     def forward(self, hidden_states, attention_mask, *args: Any, **kwargs: Any):

@@ -14,7 +14,9 @@ means CP over that group; ``local_cp_size`` 1 without a group means no CP for th
 stays refused, with the same error on every rank of the sub-group, before any collective: a
 ``cp_group`` whose size differs from ``local_cp_size`` or that does not hold the rank, a size
 that is not a power of 2, THD input with a per-call group, and ``a2a+p2p`` over a sub-group
-other than the layer's own CP group (its hierarchical groups are built for that one).
+other than the layer's own CP group (its hierarchical groups are built for that one). A rank
+whose params alone are malformed refuses on the groups they name (:func:`peer_groups`), where
+its partners wait.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import torch.distributed as dist
 from ..runtime.validation import CPArgumentError
 from .context import CONTEXT_ATTR
 
-__all__ = ["call_group", "check_not_packed", "split_group"]
+__all__ = ["call_group", "check_not_packed", "peer_groups", "split_group"]
 
 
 @lru_cache(maxsize=64)
@@ -51,6 +53,50 @@ def _megatron_group(size: int) -> Any:
             f"PackedSeqParams.local_cp_size={size} without cp_group, and Megatron's hybrid DP×CP group of that size "
             f"is not available ({type(exc).__name__}: {exc}); pass cp_group as get_batch_on_this_hybrid_cp_rank does"
         ) from None
+
+
+def _hybrid_group(size: int) -> Any:
+    """Megatron's hybrid DP×CP group of ``size`` holding this rank, or None."""
+    try:
+        from megatron.core import parallel_state
+
+        return parallel_state.get_hybrid_data_context_parallel_groups(group_size=size)
+    except Exception:  # no hybrid groups (or none of that size)
+        return None
+
+
+def _hybrid_sizes() -> list[int]:
+    """The sizes of Megatron's hybrid groups: the powers of 2 up to the DP×CP size."""
+    try:
+        from megatron.core import parallel_state
+
+        dp_cp = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+    except Exception:  # parallel state not initialised
+        return []
+    return [1 << i for i in range(1, dp_cp.bit_length()) if 1 << i <= dp_cp]
+
+
+def peer_groups(params: Any) -> list:
+    """The groups whose ranks may be waiting for this rank's hybrid call: the params' own
+    ``cp_group``, Megatron's hybrid group of their ``local_cp_size``, or, when they name neither
+    validly, every hybrid group holding this rank (smallest first). A rank that refuses its call
+    joins their exchange with its error, so a partner whose own params were valid raises the same
+    error instead of waiting for it (``agreement.raise_everywhere``'s ``also``)."""
+    local, group = getattr(params, "local_cp_size", None), getattr(params, "cp_group", None)
+    if (local is None and group is None) or not dist.is_initialized():
+        return []
+    found = []
+    try:
+        if group is not None and group is not dist.GroupMember.NON_GROUP_MEMBER and dist.get_rank(group) >= 0:
+            found.append(group)
+    except Exception:  # not a process group: nobody waits on it
+        pass
+    pow2 = isinstance(local, int) and not isinstance(local, bool) and local > 1 and not local & (local - 1)
+    for size in [local] if pow2 else [] if found else _hybrid_sizes():
+        sub = _hybrid_group(size)
+        if sub is not None and all(sub is not g for g in found):
+            found.append(sub)
+    return found
 
 
 def check_not_packed(params: Any) -> None:
@@ -127,6 +173,9 @@ def split_group(attention: Any, params: Any) -> Any:
     cp = attention.pg_collection.cp
     if params is not None and params.qkv_format != "thd":
         core = attention.core_attention
-        sub = call_group(params, core.cp_group, core.comm_group, core.cp_comm_type, thd=False)
+        try:
+            sub = call_group(params, core.cp_group, core.comm_group, core.cp_comm_type, thd=False)
+        except CPArgumentError as err:  # a partner with valid params waits in its sub-group's exchange
+            core._refuse_everywhere(err, params)
         cp = sub[0] if sub is not None else cp
     return cp

@@ -18,7 +18,7 @@ from __future__ import annotations
 import struct
 import zlib
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NoReturn
 
@@ -154,6 +154,7 @@ def raise_everywhere(
     cp_rank: int = -1,
     wait: float | None = None,
     cp_group: object = None,
+    also: Sequence[object] = (),
 ) -> None:
     """Raise a rank's own argument error on every CP rank (it never returns).
 
@@ -167,7 +168,8 @@ def raise_everywhere(
     A group and a sharding for the world size that disagree leave two candidates: the group
     (its CP peers, with a sharding built for the world by mistake) and the world (every other
     rank, this one having passed a smaller group by mistake). The rank tries its group first
-    and the world after half the wait.
+    and the world after half the wait. ``also``: further groups whose ranks may wait for this
+    one (Megatron's hybrid CP sub-groups a call's params name), tried after them, in order.
     """
     wait = ERROR_WAIT_S if wait is None else wait
     if groups is None and cp_group is not None:
@@ -177,11 +179,17 @@ def raise_everywhere(
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     if paths[0] is not None and paths[0].group is not dist.group.WORLD and cp_size == world > 1:
         paths.append(ExchangePath(group=dist.group.WORLD))
-    if paths[0] is None:
+    paths = [p for p in paths if p is not None]
+    ranks = [cp_rank] * len(paths)  # on a sub-group of ``also``: this rank's place in it
+    for g in also:
+        if all(g is not p.group for p in paths):
+            paths.append(ExchangePath(group=g))
+            ranks.append(dist.get_rank(g))
+    if not paths:
         raise err
     code = 2 if isinstance(err, TypeError) else 3 if isinstance(err, CPRankMismatchError) else 1
-    sig = signature(error=code, global_rank=dist.get_rank(), cp_rank=cp_rank)
-    for path in paths:
+    for path, rank in zip(paths, ranks):
+        sig = signature(error=code, global_rank=dist.get_rank(), cp_rank=rank)
         try:
             sigs = [dict(zip(FIELDS, s)) for s in _gather(list(sig), path, wait / len(paths))]
             _raise_reported(sigs, path, str(err), wait)

@@ -50,7 +50,7 @@ def hierarchical_cp_groups(a2a_size: int, cp_ranks: Sequence[int] | None = None)
             ``new_group`` orders every group by global rank, so that is the CP-rank order.
             Every rank must pass the same list, so this serves one CP group; with data
             parallelism (several CP groups) use Megatron's groups or
-            ``megatron_cp_ext.megatron.core_attention.hierarchical_groups_from_sizes``.
+            ``megatron_cp_ext.megatron.hierarchical.hierarchical_groups_from_sizes``.
     """
     ranks = list(range(dist.get_world_size())) if cp_ranks is None else as_ints(cp_ranks, "cp_ranks")
     a2a_size = as_int(a2a_size, "a2a_size", minimum=1)

@@ -64,9 +64,22 @@ def _worker(rank: int, world_size: int, port: int, path: list[str], tasks, resul
     dist.destroy_process_group()
 
 
+_PRELOAD = ["torch", "torch.distributed", "megatron_cp_ext", "megatron.core"]
+"""Imported once by the fork server, not by every worker: a pool of 8 starts in well under a
+second instead of importing torch 8 times on a 2-core machine (a missing module is skipped)."""
+
+
+def _context():
+    """Fork-server workers: forked from a single-threaded server that has imported only
+    :data:`_PRELOAD`, so no thread pool or process group is inherited (unlike a plain fork)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
 class _Pool:
     def __init__(self, world_size: int) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         self.world_size = world_size
         self.results = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(world_size)]

@@ -151,3 +151,40 @@ def test_group_without_the_rank_refused():
     msgs = run_on_ranks(4, non_member_case, timeout=300)
     assert msgs[:2] == ["no error", "no error"], msgs
     assert all(m.startswith("CPArgumentError") and "does not hold rank" in m for m in msgs[2:]), msgs
+
+
+def one_rank_case(rank: int, world: int, what: str) -> str:
+    """Worker: ranks 0 and 1 share a sub-group of 2, ranks 2 and 3 another; only rank 1's call is
+    malformed. Its partner (valid params, waiting in the sub-group's first exchange) must get the
+    same error, and the other sub-group run untouched."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from megatron_cp_ext.megatron import CPRotaryEmbedding
+    from megatron_cp_ext.testing.megatron import setup_parallel_state
+
+    setup_parallel_state(1, hybrid=True)
+    layer, _ = _layers("p2p")
+    g2 = parallel_state.get_hybrid_data_context_parallel_groups(group_size=2)
+    params, rows = _params(16, 2, g2), 8
+    if dist.get_rank() == 1:
+        if what == "pow2":  # no group, a size that names none
+            params = _params(16, 3, None)
+        elif what == "rope":  # a token count no dual-chunk split of 2 gives
+            rows = 7
+        else:  # the sub-group with THD params
+            params.qkv_format = "thd"
+    try:
+        layer(torch.randn(rows, 1, HIDDEN), attention_mask=None, rotary_pos_emb=CPRotaryEmbedding(HIDDEN // HEADS)(16),
+              packed_seq_params=params)  # fmt: skip
+    except ValueError as err:
+        return f"{type(err).__name__}: {err}"
+    return "no error"
+
+
+@pytest.mark.parametrize("what,words", [("pow2", ["power of 2"]), ("rope", ["divisible"]), ("thd", ["thd"])])
+def test_one_rank_bad_params_refused_on_its_sub_group(what, words):
+    msgs = run_on_ranks(4, one_rank_case, what, timeout=300)
+    assert all(m.startswith("CPArgumentError") and all(w in m for w in words) for m in msgs[:2]), msgs
+    assert msgs[0] == msgs[1] and "rejected on CP rank 1;" in msgs[0], msgs  # its rank in the sub-group
+    assert msgs[2:] == ["no error", "no error"], msgs
