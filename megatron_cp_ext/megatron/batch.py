@@ -235,8 +235,18 @@ def _shard_zigzag(batch: dict, cp_group) -> dict:
     _check_seq_lengths(batch)
     if size == 1:
         return dict(batch)
+    seq = {
+        v.shape[1] for k, v in batch.items() if isinstance(v, torch.Tensor) and v.dim() >= 2 and k != "attention_mask"
+    }
     out: dict = {}
     for key, val in batch.items():
+        if isinstance(val, torch.Tensor) and (
+            val.dim() == 1 and val.shape[0] in seq or key == "attention_mask" and val.dim() < 3
+        ):
+            raise CPArgumentError(  # passed through uncut, it would no longer line up with the cut tokens
+                f"batch[{key!r}] has shape {list(val.shape)}: a per-token tensor of a [b, s] batch must be "
+                f"[b, s, ...] ([b, 1, s, s] for attention_mask) to be split like the tokens; add the batch dim"
+            )
         if not isinstance(val, torch.Tensor) or val.dim() < 2:
             out[key] = val
             continue

@@ -346,3 +346,30 @@ def test_cu_seqlens_kv_other_than_q_is_refused_on_a_cached_context() -> None:
     for other, copy, refill in run_on_ranks(2, kv_case, timeout=120):
         assert "cu_seqlens_kv == cu_seqlens_q" in other and copy == "ran", (other, copy)
         assert "cu_seqlens_kv == cu_seqlens_q" in refill, refill
+
+
+def bshd_per_token_case(rank: int, world: int) -> list[str]:
+    """Worker: a [b, s] batch whose per-token extras are not [b, s] (a 1-D ``position_ids``,
+    a 2-D ``attention_mask``): refused by name, where Megatron's own split fails on them too."""
+    import torch.distributed as dist
+
+    from megatron_cp_ext.megatron import shard_batch_for_cp
+
+    s = 8
+    msgs = []
+    for extra in ({"position_ids": torch.arange(s)}, {"attention_mask": torch.ones(s, s, dtype=torch.bool)}):
+        try:
+            shard_batch_for_cp({"tokens": torch.zeros(2, s, dtype=torch.long), **extra}, cp_group=dist.group.WORLD)
+            msgs.append("no error")
+        except ValueError as err:
+            msgs.append(str(err))
+    kept = shard_batch_for_cp({"tokens": torch.zeros(2, s), "weights": torch.ones(2)}, cp_group=dist.group.WORLD)
+    msgs.append(str(list(kept["weights"].shape)))  # a per-sample [b] tensor passes through
+    return msgs
+
+
+def test_bshd_per_token_tensors_without_the_batch_dim_are_refused() -> None:
+    for pos, mask, weights in run_on_ranks(2, bshd_per_token_case, timeout=120):
+        assert "batch['position_ids'] has shape [8]" in pos, pos
+        assert "batch['attention_mask'] has shape [8, 8]" in mask, mask
+        assert weights == "[2]"
