@@ -79,9 +79,10 @@ def _hybrid_sizes() -> list[int]:
 def peer_groups(params: Any) -> list:
     """The groups whose ranks may be waiting for this rank's hybrid call: the params' own
     ``cp_group``, Megatron's hybrid group of their ``local_cp_size``, or, when they name neither
-    validly, every hybrid group holding this rank (smallest first). A rank that refuses its call
-    joins their exchange with its error, so a partner whose own params were valid raises the same
-    error instead of waiting for it (``agreement.raise_everywhere``'s ``also``)."""
+    validly (or no group has that size), every hybrid group holding this rank (smallest first).
+    A rank that refuses its call joins their exchange with its error, so a partner whose own
+    params were valid raises the same error instead of waiting for it
+    (``agreement.raise_everywhere``'s ``also``)."""
     local, group = getattr(params, "local_cp_size", None), getattr(params, "cp_group", None)
     if (local is None and group is None) or not dist.is_initialized():
         return []
@@ -92,8 +93,8 @@ def peer_groups(params: Any) -> list:
     except Exception:  # not a process group: nobody waits on it
         pass
     pow2 = isinstance(local, int) and not isinstance(local, bool) and local > 1 and not local & (local - 1)
-    for size in [local] if pow2 else [] if found else _hybrid_sizes():
-        sub = _hybrid_group(size)
+    named = [g for g in [_hybrid_group(local)] if g is not None] if pow2 else []
+    for sub in named or ([] if found else [_hybrid_group(n) for n in _hybrid_sizes()]):
         if sub is not None and all(sub is not g for g in found):
             found.append(sub)
     return found
@@ -131,6 +132,8 @@ def call_group(params: Any, layer_group: Any, layer_comm_group: Any, comm_type: 
     if group is dist.GroupMember.NON_GROUP_MEMBER:
         raise CPArgumentError(f"PackedSeqParams.cp_group does not hold rank {dist.get_rank()}: each rank must get "
                               "the sub-group it belongs to (get_batch_on_this_hybrid_cp_rank)")  # fmt: skip
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise CPArgumentError(f"PackedSeqParams.cp_group must be a torch.distributed ProcessGroup, got {group!r}")
     if group is None and local is not None and local > 1:
         group = _megatron_group(local)
     if group is not None:

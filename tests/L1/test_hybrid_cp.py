@@ -170,6 +170,10 @@ def one_rank_case(rank: int, world: int, what: str) -> str:
     if dist.get_rank() == 1:
         if what == "pow2":  # no group, a size that names none
             params = _params(16, 3, None)
+        elif what == "no group of 8":  # a power of 2 no hybrid group has
+            params = _params(16, 8, None)
+        elif what == "not a group":
+            params = _params(16, 2, "g2")
         elif what == "rope":  # a token count no dual-chunk split of 2 gives
             rows = 7
         else:  # the sub-group with THD params
@@ -182,7 +186,11 @@ def one_rank_case(rank: int, world: int, what: str) -> str:
     return "no error"
 
 
-@pytest.mark.parametrize("what,words", [("pow2", ["power of 2"]), ("rope", ["divisible"]), ("thd", ["thd"])])
+@pytest.mark.parametrize(
+    "what,words",
+    [("pow2", ["power of 2"]), ("no group of 8", ["local_cp_size=8", "not available"]),
+     ("not a group", ["ProcessGroup", "'g2'"]), ("rope", ["divisible"]), ("thd", ["thd"])],
+)  # fmt: skip
 def test_one_rank_bad_params_refused_on_its_sub_group(what, words):
     msgs = run_on_ranks(4, one_rank_case, what, timeout=300)
     assert all(m.startswith("CPArgumentError") and all(w in m for w in words) for m in msgs[:2]), msgs
