@@ -86,12 +86,7 @@ def peer_groups(params: Any) -> list:
     local, group = getattr(params, "local_cp_size", None), getattr(params, "cp_group", None)
     if (local is None and group is None) or not dist.is_initialized():
         return []
-    found = []
-    try:
-        if group is not None and group is not dist.GroupMember.NON_GROUP_MEMBER and dist.get_rank(group) >= 0:
-            found.append(group)
-    except Exception:  # not a process group: nobody waits on it
-        pass
+    found = [group] if isinstance(group, dist.ProcessGroup) and dist.get_rank(group) >= 0 else []
     pow2 = isinstance(local, int) and not isinstance(local, bool) and local > 1 and not local & (local - 1)
     named = [g for g in [_hybrid_group(local)] if g is not None] if pow2 else []
     for sub in named or ([] if found else [_hybrid_group(n) for n in _hybrid_sizes()]):
