@@ -68,9 +68,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def init_parallel(args: argparse.Namespace) -> tuple[int, int]:
     """Process groups: CP inner (consecutive ranks), DP outer. Returns (dp_rank, dp_size)."""
-    if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend)
     world, cp = dist.get_world_size(), args.context_parallel_size
     if world % cp:
         raise SystemExit(f"world size {world} is not a multiple of --context-parallel-size {cp}")
@@ -198,12 +195,9 @@ def train_step(model, optimizer, batch: dict) -> tuple[float, int]:
     return float(packed[-1] / stats[0]), int(stats[1])
 
 
-def main(argv: list[str] | None = None) -> None:
-    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.core")
-    args = parse_args(argv)
-    if os.environ.get("MCX_DEMO_SHORT"):  # CI smoke run of the README command
-        args.train_iters = min(args.train_iters, 3)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+def run(args: argparse.Namespace) -> dict:
+    """Train ``args.train_iters`` steps on the default process group (already initialised):
+    the losses and step times. Megatron's model-parallel state is set up here, not torn down."""
     dp_rank, _ = init_parallel(args)
     device = (
         torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
@@ -226,9 +220,21 @@ def main(argv: list[str] | None = None) -> None:
         losses.append(loss)
         if rank0:
             print(f"step {step + 1:4d}  loss {loss:.6f}  tokens/s {tokens / times[-1]:10.1f}", flush=True)
-    if rank0 and args.json_out:
+    return {"losses": losses, "step_seconds": times}
+
+
+def main(argv: list[str] | None = None) -> None:
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.core")
+    args = parse_args(argv)
+    if os.environ.get("MCX_DEMO_SHORT"):  # CI smoke run of the README command
+        args.train_iters = min(args.train_iters, 3)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    result = run(args)
+    if dist.get_rank() == 0 and args.json_out:
         with open(args.json_out, "w") as f:
-            json.dump({"losses": losses, "step_seconds": times, "args": vars(args)}, f, default=str)
+            json.dump({**result, "args": vars(args)}, f, default=str)
     dist.destroy_process_group()
 
 

@@ -1,5 +1,6 @@
 """Whole-model checks: plan reuse across layers, hierarchical groups from the config, and
-3-step GPT training at CP > 1 reproducing the CP-1 losses (the demo, run as CI runs it)."""
+3-step GPT training at CP > 1 reproducing the CP-1 losses (the demo: launched by torchrun as
+CI runs it, and its training loop in the test pool)."""
 
 from __future__ import annotations
 
@@ -107,6 +108,7 @@ def test_hierarchical_groups_built_from_config_sizes() -> None:
 
 
 def _train(nproc: int, tmp_path, *flags: str) -> list[float]:
+    """The demo as a user launches it (torchrun, one process per rank): its losses."""
     out = tmp_path / f"losses-{nproc}-{'-'.join(flags).replace(' ', '')}.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", DEMO]
     cmd += ["--train-iters", "3", "--json-out", str(out), *flags]
@@ -116,25 +118,51 @@ def _train(nproc: int, tmp_path, *flags: str) -> list[float]:
     return json.loads(out.read_text())["losses"]
 
 
-@pytest.fixture(scope="module")
-def cp1_losses(tmp_path_factory) -> list[float]:
-    return _train(1, tmp_path_factory.mktemp("cp1"), "--context-parallel-size", "1")
+def _load_demo():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_gpt_demo", DEMO)
+    demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo)
+    return demo
 
 
-def test_gpt_training_matches_cp1(cp1_losses, tmp_path) -> None:
-    """CP 2, p2p, Megatron's dual-chunk split (``balance="workload"`` at CP 4 below)."""
+def demo_case(rank: int, world: int, flags: list[str]) -> list[float]:
+    """Worker: the demo's training loop (``run``, what its ``main`` calls after starting the
+    process group) on the pool's group; the same losses as a torchrun launch, without starting
+    and importing ``world`` fresh processes."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state._HIERARCHICAL_CONTEXT_PARALLEL_GROUPS = None  # not reset by destroy (0.16)
+    demo = _load_demo()
+    return demo.run(demo.parse_args(["--train-iters", "3", *flags]))["losses"]
+
+
+def _train_in_pool(nproc: int, *flags: str) -> list[float]:
+    losses = run_on_ranks(nproc, demo_case, list(flags))
+    assert all(ls == losses[0] for ls in losses), losses  # every rank reports the all-reduced loss
+    return losses[0]
+
+
+def test_gpt_training_matches_cp1(tmp_path) -> None:
+    """CP 2, p2p, Megatron's dual-chunk split, launched by torchrun (``balance="workload"`` at
+    CP 4 below), against CP 1."""
     flags = ["--context-parallel-size", "2", "--cp-comm-type", "p2p", "--cp-load-balance", "dualchunk"]
     losses = _train(2, tmp_path, *flags)
+    ref = _train_in_pool(1, "--context-parallel-size", "1")
     assert len(losses) == 3
-    assert max(abs(a - b) for a, b in zip(losses, cp1_losses)) < 1e-4, (losses, cp1_losses)
+    assert max(abs(a - b) for a, b in zip(losses, ref)) < 1e-4, (losses, ref)
 
 
-def test_gpt_training_workload_cut_documents_matches_cp1(tmp_path) -> None:
+def test_gpt_training_workload_cut_documents_matches_cp1() -> None:
     """Documents up to 600 tokens: the workload balance cuts the long ones across 4 ranks, and
     the two layers run different comm types (per-layer ``--cp-comm-type``) on that one split."""
     data = ["--seq-length", "1024", "--max-doc-len", "600", "--cp-load-balance", "workload"]
-    ref = _train(1, tmp_path, "--context-parallel-size", "1", *data)
-    losses = _train(4, tmp_path, "--context-parallel-size", "4", "--cp-comm-type", "p2p", "all_gather", *data)
+    ref = _train_in_pool(1, "--context-parallel-size", "1", *data)
+    losses = _train_in_pool(4, "--context-parallel-size", "4", "--cp-comm-type", "p2p", "all_gather", *data)
+    assert len(losses) == 3
     assert max(abs(a - b) for a, b in zip(losses, ref)) < 1e-4, (losses, ref)
 
 
@@ -142,11 +170,7 @@ def test_demo_batches_with_empty_documents() -> None:
     """``--min-doc-len 0`` draws empty documents (the package takes them): the demo's batch
     builder indexed the last token of each (an IndexError); lengths that cannot fill a batch
     (max 0) are refused by name."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("train_gpt_demo", DEMO)
-    demo = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(demo)
+    demo = _load_demo()
     args = demo.parse_args(["--min-doc-len", "0", "--max-doc-len", "2", "--seq-length", "64"])
     batch = demo.make_batch(args, 0, 0)
     lens = batch["cu_seqlens"].diff().tolist()

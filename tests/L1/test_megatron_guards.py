@@ -158,6 +158,7 @@ def sp_case(rank: int, world: int, how: str) -> tuple[str, str]:
     import megatron_cp_ext as mcx
     from megatron_cp_ext.megatron import (
         CPAttentionOptions,
+        core_attention,
         cp_layer_spec,
         install_cp_rope,
         make_packed_seq_params,
@@ -177,7 +178,9 @@ def sp_case(rank: int, world: int, how: str) -> tuple[str, str]:
             tensor_model_parallel_size=2, sequence_parallel=True, hidden_dropout=0.0, attention_dropout=0.0,
             use_cpu_initialization=True,
         )  # fmt: skip
-        with _megatron_on_cpu():
+        # Ranks 2 and 3 never reach attention (Megatron's scatter fails first): ranks 0 and 1
+        # wait for them REFUSAL_WAIT_S, then refuse; a shorter wait changes nothing else.
+        with _megatron_on_cpu(), mock.patch.object(core_attention, "REFUSAL_WAIT_S", 2.0):
             spec = cp_layer_spec(config, options=CPAttentionOptions(load_balance="workload"))
             model = install_cp_rope(GPTModel(config, spec, vocab_size=8, max_sequence_length=16))
             # A pipeline's own split with shard_sequences, handed to the params it builds.
