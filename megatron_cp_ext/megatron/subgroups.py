@@ -58,10 +58,8 @@ def _megatron_group(size: int) -> Any:
 def _hybrid_group(size: int) -> Any:
     """Megatron's hybrid DP×CP group of ``size`` holding this rank, or None."""
     try:
-        from megatron.core import parallel_state
-
-        return parallel_state.get_hybrid_data_context_parallel_groups(group_size=size)
-    except Exception:  # no hybrid groups (or none of that size)
+        return _megatron_group(size)
+    except CPArgumentError:  # no hybrid groups (or none of that size)
         return None
 
 
