@@ -24,7 +24,7 @@ import torch.distributed as dist
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from ..runtime.validation import CPArgumentError, CPArgumentTypeError, as_int
-from ..sharding import CPSharding
+from ..sharding import CPSharding, shard_sequences
 from .context import (
     CONTEXT_ATTR,
     LAYOUTS,
@@ -239,6 +239,7 @@ def _shard_zigzag(batch: dict, cp_group) -> dict:
         v.shape[1] for k, v in batch.items() if isinstance(v, torch.Tensor) and v.dim() >= 2 and k != "attention_mask"
     }
     out: dict = {}
+    rows = None  # Megatron's dual-chunk split of one row [0, s]: its shard records the split (layers check it)
     for key, val in batch.items():
         if isinstance(val, torch.Tensor) and (
             val.dim() == 1 and val.shape[0] in seq or key == "attention_mask" and val.dim() < 3
@@ -254,9 +255,10 @@ def _shard_zigzag(batch: dict, cp_group) -> dict:
         s = val.shape[seq_dim]
         if s % (2 * size):
             raise ValueError(f"batch[{key!r}] has sequence length {s}, not divisible by 2*cp = {2 * size}")
-        idx = zigzag_positions(s // size, size, rank).to(val.device, non_blocking=True)
+        if rows is None:
+            rows = shard_sequences([0, s], size, balance="dualchunk")
         # For a [b, 1, s, s] mask only the query dim is split; keys stay global (as Megatron).
-        out[key] = val.index_select(seq_dim, idx)
+        out[key] = rows.shard(val, rank, dim=seq_dim)
     return out
 
 

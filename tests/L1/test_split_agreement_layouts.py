@@ -5,7 +5,9 @@
   data was split (also by that very balance, in this process): only TransformerEngine's split is
   assumed, any other must come with the params;
 - sbhd through ``CPCoreAttention`` (Megatron's dual-chunk split): data cut by Megatron's
-  ``get_batch_on_this_cp_rank`` or the ``dualchunk`` balance is exact, a ``contiguous`` cut refuses.
+  ``get_batch_on_this_cp_rank`` or the ``dualchunk`` balance is exact, a ``contiguous`` cut refuses;
+- ``shard_batch_for_cp`` on a bshd batch records its dual-chunk split: thd params of ``[0, s]``
+  with another split refuse, and a split over another group of the CP size refuses.
 
 Expected outcomes come from ``global_index`` comparisons or the rule, not from the split record.
 """
@@ -109,3 +111,78 @@ def test_sbhd_layer_agrees_or_refuses(data, comm):
         )
     else:
         _exact(results, 1e-10)
+
+
+def bshd_batch_case(rank: int, world: int, window) -> dict:
+    """A ``[1, s]`` batch split by ``shard_batch_for_cp`` without ``cu_seqlens`` (Megatron's
+    dual-chunk cut of the row), then attended as thd with ``make_packed_seq_params([0, s])``
+    under the layer's mask: the output rows against dense fp64 attention, or the error."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_cp_ext import CPArgumentError
+    from megatron_cp_ext.megatron import CPCoreAttention, make_packed_seq_params, shard_batch_for_cp
+    from megatron_cp_ext.testing.reference import dense_attention
+
+    group = _setup(world, "p2p")
+    core = CPCoreAttention(_config(world, "p2p", window), 1, AttnMaskType.causal,
+                           pg_collection=ProcessGroupCollection.use_mpu_process_groups())  # fmt: skip
+    s, c = 64 * world, 32  # c: one of the 2 * world chunks of the row
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(s, h, DIM, generator=g, dtype=torch.float64) for h in (HEADS, GROUPS, GROUPS))
+    got = shard_batch_for_cp({"q": q[None], "k": k[None], "v": v[None]}, cp_group=group)
+    rows = torch.cat(
+        [torch.arange(rank * c, (rank + 1) * c), torch.arange((2 * world - 1 - rank) * c, (2 * world - rank) * c)]
+    )
+    assert torch.equal(got["q"][0], q[rows])  # Megatron's dual-chunk rows, written out
+    params = make_packed_seq_params([0, s], cp_group=group, window_size=window or (-1, -1))
+    layer_rows = [torch.as_tensor(params._mcx_cp_context.sharding.global_index(r)) for r in range(world)]
+    try:
+        out = core(got["q"][0], got["k"][0], got["v"][0], None, packed_seq_params=params)
+    except CPArgumentError as err:
+        return {"error": type(err).__name__, "message": str(err), "same_rows": torch.equal(layer_rows[rank], rows)}
+    want = dense_attention(q, k, v, [0, s], causal=True, window_size=window or (-1, -1)).flatten(-2)
+    return {"errs": {"out": (out - want[rows]).abs().max().item()}, "same_rows": torch.equal(layer_rows[rank], rows)}
+
+
+@pytest.mark.parametrize("world, window", [(2, (16, 0)), (4, (16, 0)), (4, None)])
+def test_bshd_batch_split_then_thd_params_agree_or_refuse(world, window):
+    """The package's bshd batch split (no ``cu_seqlens``) records its split like ``CPSharding.shard``:
+    thd params whose split differs from it (a window moves the workload cuts) refuse on every
+    rank (they ran silently wrong); where the splits give every rank the same rows, exact."""
+    results = run_on_ranks(world, bshd_batch_case, window)
+    if all(r["same_rows"] for r in results):
+        _exact(results, 1e-10)
+    else:
+        _one_error_everywhere(results, "CP split mismatch", "'dualchunk' split", "'workload' split")
+
+
+def dp_group_split_case(rank: int, world: int) -> dict:
+    """CP 2 × DP 2: an sbhd batch split by ``shard_batch_for_cp`` over the data-parallel group
+    (a group of the CP size): ranks 1 and 2 took another CP rank's chunks."""
+    from megatron.core import parallel_state
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_cp_ext import CPArgumentError
+    from megatron_cp_ext.megatron import CPCoreAttention, shard_batch_for_cp
+
+    _setup(2, "p2p")
+    core = CPCoreAttention(_config(2, "p2p", None), 1, AttnMaskType.causal,
+                           pg_collection=ProcessGroupCollection.use_mpu_process_groups())  # fmt: skip
+    g = torch.Generator().manual_seed(5)
+    batch = {n: torch.randn(1, 64, h, DIM, generator=g) for n, h in zip("qkv", (HEADS, GROUPS, GROUPS))}
+    got = shard_batch_for_cp(batch, cp_group=parallel_state.get_data_parallel_group())
+    try:
+        core(*(got[n].transpose(0, 1) for n in "qkv"), None)
+    except CPArgumentError as err:
+        return {"error": type(err).__name__, "message": str(err)}
+    return {"errs": {}}
+
+
+def test_bshd_batch_split_over_another_group_is_refused():
+    """It ran silently wrong (docs listed it as not caught); the split's record names the CP rank
+    whose chunks were taken, so both ranks of each CP group refuse alike."""
+    results = run_on_ranks(4, dp_group_split_case)
+    for group in (results[:2], results[2:]):
+        _one_error_everywhere(group, "CP shard mismatch", "attends as CP rank")
