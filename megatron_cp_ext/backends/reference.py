@@ -161,8 +161,12 @@ def _probs(qh, kh, vis, scale, lse=None):
     g = lse.shape[2] if lse is not None else qh.shape[2] // max(vis.shape[1], 1)
     s = ((qh * scale) @ kh.transpose(-1, -2)).view(e, hk, g, vis.shape[1], wk)
     s = torch.where(vis[:, None, None], s, float("-inf"))
-    if lse is None:
+    if lse is None:  # forward: max-subtracted, so the probabilities keep log(sum) however large the logits
         lse = torch.logsumexp(s, dim=-1)
+        top = s.amax(dim=-1, keepdim=True)
+        p = s.sub_(torch.where(torch.isneginf(top), 0.0, top)).exp_()  # a row that sees nothing: all 0
+        total = p.sum(-1, keepdim=True)
+        return p.div_(total.masked_fill_(total == 0, 1.0)), lse
     # Rows that see nothing have lse -inf: subtract 0 there, so every entry is exp(-inf) = 0.
     # Only there: a +inf lse (a sink of +inf takes every probability) gives exp(s - inf) = 0,
     # and a NaN lse NaN probabilities, as dense attention would.

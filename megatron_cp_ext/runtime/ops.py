@@ -21,7 +21,10 @@ import importlib
 
 import torch
 
-__all__ = ["HAS_CUDA_EXT", "LSE_FLOOR", "gather_rows", "index_add_rows", "merge_partial", "row_dot16", "stand_in16"]
+__all__ = [
+    "HAS_CUDA_EXT", "LSE_FLOOR", "lse_floor", "floor_lse_", "gather_rows", "index_add_rows", "merge_partial",
+    "row_dot16", "stand_in16",
+]  # fmt: skip
 
 
 def _load_extension() -> str | None:
@@ -155,9 +158,24 @@ def merge_partial_torch(
         lse_TH.index_copy_(0, idx_N, acc_lse)
 
 
-LSE_FLOOR = -1e30
-"""Start value of lse accumulators: finite, so merges need no NaN guard; below any real
-log-sum-exp, so it merges exactly like -inf (weight 0, ``logaddexp`` unchanged)."""
+LSE_FLOOR = -torch.finfo(torch.float32).max
+"""Start value of lse accumulators: finite, so merges need no NaN guard; the lowest fp32 value,
+so below any fp32 log-sum-exp and it merges exactly like -inf (weight 0, ``logaddexp``
+unchanged). A floor of -1e30 dropped real partials under it: a row whose logits all lay below
+-1e30 (``softmax_scale=1e31``) came out 0 wherever its keys arrived in more than one call."""
+
+
+def lse_floor(dtype: torch.dtype) -> float:
+    """:data:`LSE_FLOOR` for an accumulator of ``dtype``: its lowest finite value (fp64
+    accumulators hold fp64 log-sum-exps far below the fp32 floor)."""
+    return torch.finfo(dtype).min
+
+
+def floor_lse_(lse: torch.Tensor) -> torch.Tensor:
+    """A kernel's lse with its rows that saw no key (``-inf``, or flash's ``+inf``) at
+    :func:`lse_floor`, in place; a NaN stays NaN (bad input is never hidden)."""
+    floor = lse_floor(lse.dtype)
+    return lse.nan_to_num_(nan=float("nan"), posinf=floor, neginf=floor)
 
 
 # --- public API ---

@@ -28,7 +28,7 @@ import torch
 
 from ..masks import MaskSpec
 from ..runtime.autocast import autocast_off
-from ..runtime.ops import LSE_FLOOR
+from ..runtime.ops import floor_lse_
 from ..sharding import CPSharding
 from . import a2a_groups, p2p, staged
 from .common import KV, GradAcc, OutAcc, Run, acc_dtype, apply_sink, new_accumulators, step_forward, take
@@ -330,7 +330,7 @@ class _OnlyOut(OutAcc):
         whole = self.only and self.out is None and sl == (0, self.q.shape[0]) and o.is_contiguous()
         if whole and lse_c.dtype == acc_dtype(self.q):
             self.out = o  # empty rows: the kernel's infinite lse becomes the floor, as in OutAcc
-            self.lse = lse_c.nan_to_num_(nan=float("nan"), posinf=LSE_FLOOR, neginf=LSE_FLOOR)
+            self.lse = floor_lse_(lse_c)
             return
         super().merge(sl, idx, o, lse_c)
 

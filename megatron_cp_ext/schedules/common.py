@@ -19,7 +19,7 @@ from typing import NamedTuple
 import torch
 
 from ..plan import VarlenCall
-from ..runtime.ops import LSE_FLOOR, gather_rows, index_add_rows, merge_partial
+from ..runtime.ops import floor_lse_, gather_rows, index_add_rows, lse_floor, merge_partial
 
 __all__ = [
     "Run",
@@ -236,7 +236,7 @@ def new_accumulators(q: torch.Tensor, dv: int) -> tuple[torch.Tensor, torch.Tens
     online-softmax merge (:func:`acc_dtype`). A query that sees no key keeps output 0 and lse
     ``LSE_FLOOR``, which every backward treats like -inf (all its probabilities are 0)."""
     out = q.new_zeros((q.shape[0], q.shape[1], dv), dtype=acc_dtype(q))
-    lse = q.new_full((q.shape[0], q.shape[1]), LSE_FLOOR, dtype=acc_dtype(q))
+    lse = q.new_full((q.shape[0], q.shape[1]), lse_floor(acc_dtype(q)), dtype=acc_dtype(q))
     return out, lse
 
 
@@ -265,7 +265,7 @@ class OutAcc:
                 # merges and backwards expect; NaN stays NaN. A 16-bit partial is widened: the
                 # same bits as merging it into zeros, without the zeros
                 self.out = o if o.dtype == dtype or self.keep else o.to(dtype)
-                self.lse = lse_c.nan_to_num_(nan=float("nan"), posinf=LSE_FLOOR, neginf=LSE_FLOOR)
+                self.lse = floor_lse_(lse_c)
                 return
             self.out, self.lse = new_accumulators(self.q, self.dv)
         elif self.out.dtype != self.lse.dtype:  # a kept 16-bit partial gets company
@@ -379,4 +379,8 @@ def sink_grad(delta: torch.Tensor, lse: torch.Tensor, offset: torch.Tensor) -> t
     from :func:`.delta.row_dot`; ``a2a`` has it in head layout already)."""
     off = offset.to(lse.dtype)[None, :]
     p = torch.exp(off - lse)  # lse includes the sink; a +inf sink takes every probability (1, not inf - inf)
-    return -(p.masked_fill_(torch.isposinf(off) & torch.isposinf(lse), 1.0) * delta.to(lse.dtype)).sum(0)
+    p.masked_fill_(torch.isposinf(off) & torch.isposinf(lse), 1.0)
+    term = p * delta.to(lse.dtype)
+    # Where the sink takes every probability the row's output is 0 (padding, a row that sees no
+    # key): a NaN or inf in its dout (0 * NaN in delta) adds nothing, as for its q, k and v.
+    return -term.masked_fill_((p == 1) & ~torch.isfinite(term), 0.0).sum(0)

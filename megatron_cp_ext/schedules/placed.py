@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from ..plan import VarlenCall
-from ..runtime.ops import LSE_FLOOR
+from ..runtime.ops import floor_lse_, lse_floor
 from .common import new_accumulators
 
 __all__ = ["PlacedOut", "PlacedGrad", "KeptRows", "placement"]
@@ -33,7 +33,7 @@ class PlacedOut:
         self.lse: torch.Tensor | None = None
 
     def merge(self, sl: tuple[int, int] | None, idx: torch.Tensor | None, o: torch.Tensor, lse_c: torch.Tensor) -> None:
-        lse_c = lse_c.nan_to_num_(nan=float("nan"), posinf=LSE_FLOOR, neginf=LSE_FLOOR)
+        lse_c = floor_lse_(lse_c)
         t, h = self.q.shape[:2]
         if self.out is None:
             if sl == (0, t) and o.is_contiguous():
@@ -42,7 +42,7 @@ class PlacedOut:
             if self.covered:
                 self.out, self.lse = o.new_empty((t, h, self.dv)), lse_c.new_empty((t, h))
             else:
-                self.out, self.lse = o.new_zeros((t, h, self.dv)), lse_c.new_full((t, h), LSE_FLOOR)
+                self.out, self.lse = o.new_zeros((t, h, self.dv)), lse_c.new_full((t, h), lse_floor(lse_c.dtype))
         if sl is not None:
             self.out[sl[0] : sl[1]].copy_(o)
             self.lse[sl[0] : sl[1]].copy_(lse_c)

@@ -113,3 +113,40 @@ def test_inspect_counts_what_the_plans_move() -> None:
     report = mcx.inspect_plan(sharding, "p2p", causal=True)
     for r in report.ranks.values():
         assert r.bytes_received["forward"] == r.bytes_needed["forward"] > 0
+
+
+def _sink_worker(rank: int, world: int, comm: str) -> dict:
+    """Learnable sinks on the padded layout, the upstream gradient NaN on every padding row."""
+    cu_real, cu_pad, real_rows, q, k, v = _batch(world)
+    sharding = separate_padding(mcx.te_thd_sharding(cu_pad, world), cu_real)
+    group = cp_group_for(AttnCase(seqlens=tuple(REAL), comm_type=comm, a2a_size=2), world)
+    local = [sharding.shard(x, rank).requires_grad_() for x in (q, k, v)]
+    offset = torch.tensor([0.5, -1.0, 2.0, 0.0], dtype=torch.float64, requires_grad=True)
+    out = mcx.cp_attention(*local, cp_group=group, comm_type=comm, sharding=sharding, causal=True,
+                           softmax_offset=offset)  # fmt: skip
+    dout = _weight(cu_pad[-1])
+    pad = torch.ones(cu_pad[-1], dtype=torch.bool)
+    pad[real_rows] = False
+    dout[pad] = float("nan")
+    out.backward(sharding.shard(dout, rank))
+    return {"d_offset": offset.grad, "grads": [x.grad for x in local], "index": sharding.global_index(rank)}
+
+
+@pytest.mark.parametrize(("world", "comm"), [(2, "p2p"), (2, "all_gather"), (2, "a2a"), (4, "p2p"), (4, "a2a+p2p")])
+def test_sink_gradient_takes_nothing_from_padding(world: int, comm: str) -> None:
+    """A NaN in the upstream gradient of padding rows alone (their output is 0) made the sink's
+    gradient NaN on every head (0 * NaN): the sink's and q/k/v's gradients equal dense fp64
+    attention over the real tokens."""
+    cu_real, cu_pad, real_rows, q, k, v = _batch(world)
+    results = run_on_ranks(world, _sink_worker, comm)
+    ref = [x[real_rows].clone().requires_grad_() for x in (q, k, v)]
+    offset = torch.tensor([0.5, -1.0, 2.0, 0.0], dtype=torch.float64, requires_grad=True)
+    want = dense_attention(*ref, cu_real, causal=True, softmax_offset=offset)
+    (want * _weight(cu_pad[-1])[real_rows]).sum().backward()
+    torch.testing.assert_close(sum(r["d_offset"] for r in results), offset.grad, rtol=0, atol=1e-10)
+    grads = [torch.zeros_like(x) for x in (q, k, v)]
+    for r in results:
+        for g, part in zip(grads, r["grads"], strict=True):
+            g[r["index"]] = part
+    for g, r in zip(grads, ref, strict=True):
+        torch.testing.assert_close(g[real_rows], r.grad, rtol=0, atol=1e-10)
