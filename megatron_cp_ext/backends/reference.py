@@ -163,6 +163,8 @@ def _probs(qh, kh, vis, scale, lse=None):
     s = torch.where(vis[:, None, None], s, float("-inf"))
     if lse is None:  # forward: max-subtracted, so the probabilities keep log(sum) however large the logits
         lse = torch.logsumexp(s, dim=-1)
+        if s.shape[-1] == 0:  # no keys in the group: nothing to normalise (amax needs one)
+            return s, lse
         top = s.amax(dim=-1, keepdim=True)
         p = s.sub_(torch.where(torch.isneginf(top), 0.0, top)).exp_()  # a row that sees nothing: all 0
         total = p.sum(-1, keepdim=True)
