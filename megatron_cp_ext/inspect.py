@@ -15,8 +15,8 @@ Counting conventions (all per layer):
 * ``useful`` / ``tile_area`` — score entries the calls need and entries of the 128x128 tiles
   they touch (per head): their ratio is the tile efficiency;
 * bytes — every message of the schedule: KV (and for a2a queries and outputs) in ``dtype``,
-  dK/dV partials and reductions in fp32; ``bytes_needed`` is the KV of other ranks that this
-  rank's queries see, the least any schedule must deliver.
+  dK/dV partials and reductions in fp32 (fp64 for fp64 inputs); ``bytes_needed`` is the KV of
+  other ranks that this rank's queries see, the least any schedule must deliver.
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ class RankReport:
     """``{"forward": ..., "backward": ...}``."""
     bytes_received: dict[str, int]
     bytes_needed: dict[str, int]
-    """KV of other ranks its queries see (forward), and those rows' fp32 dK/dV (backward)."""
+    """KV of other ranks its queries see (forward), and those rows' dK/dV in the accumulator dtype (backward)."""
     send_gathered_rows: int = 0
     """Rows packed by a gather before sending (fragmented p2p selections; a2a permutations where
     its moves would not go by route on a GPU)."""
@@ -200,7 +200,7 @@ def _needed_rows(sharding: CPSharding, rank: int, mask: MaskSpec) -> int:
 
 
 def _ring_steps(plan: P2PPlan, kv_row: int, grad_row: int, to_cp=lambda j: j) -> list[StepReport]:
-    """Per p2p step bytes: KV out and in forward; backward resends KV and returns fp32 dK/dV."""
+    """Per p2p step bytes: KV out and in forward; backward resends KV and returns dK/dV in the accumulator dtype."""
     out = []
     for st in plan.steps:
         s, r = st.send.n, st.recv.n
@@ -223,6 +223,11 @@ def _p2p_bytes(plan: P2PPlan, kv_row: int, grad_row: int) -> tuple[dict, dict, i
     )
 
 
+def _acc(es: int) -> int:
+    """Bytes of an accumulator element (dK/dV partials): fp64 for fp64 inputs, else fp32."""
+    return 8 if es == 8 else 4
+
+
 def _a2a_bytes(plan: A2APlan, hq: int, hkv: int, d: int, dv: int, es: int, tokens: int, rank: int):
     """Bytes of the all-to-alls (queries and KV out, outputs back; gradients mirror them) plus the
     p2p exchange across the a2a groups, for this member's (possibly uneven) head shard."""
@@ -237,7 +242,7 @@ def _a2a_bytes(plan: A2APlan, hq: int, hkv: int, d: int, dv: int, es: int, token
     fwd_out, fwd_in, bwd_out, bwd_in = a2a_bytes(out_q, out_kv, in_q, in_kv, d, dv, es, hkv < a)
     ring = plan.ring
     hkv_ring = nkv[me] if nq[me] else 0  # a member without query heads skips the ring across groups
-    rs, rr, packed = _p2p_bytes(ring, hkv_ring * (d + dv) * es, hkv_ring * (d + dv) * 4)
+    rs, rr, packed = _p2p_bytes(ring, hkv_ring * (d + dv) * es, hkv_ring * (d + dv) * _acc(es))
     sent = {"forward": fwd_out + rs["forward"], "backward": bwd_out + rs["backward"]}
     recv = {"forward": fwd_in + rr["forward"], "backward": bwd_in + rr["backward"]}
     # a2a's rows land in group order run by run (``schedules/route.py``), no gather, where the
@@ -260,9 +265,8 @@ def _a2a_bytes(plan: A2APlan, hq: int, hkv: int, d: int, dv: int, es: int, token
     split = use_split(ring.counts[ring.rank], nq[me], dv, es)
     fwd = [(st.slot, st.fwd if split and st.fwd is not None else st.plan) for st in ring.steps]
     calls = _call_reports(0, ring.own) + [c for slot, p in fwd for c in _call_reports(slot, p)]
-    steps += (
-        _ring_steps(ring, hkv_ring * (d + dv) * es, hkv_ring * (d + dv) * 4, lambda j: j * a + me) if nq[me] else []
-    )
+    row, grad = hkv_ring * (d + dv) * es, hkv_ring * (d + dv) * _acc(es)
+    steps += _ring_steps(ring, row, grad, lambda j: j * a + me) if nq[me] else []
     return sent, recv, packed, nq[me] / hq, calls if nq[me] else [], steps, nq[me]
 
 
@@ -273,7 +277,7 @@ def _rank_report(sharding, comm_type, rank, a2a_size, mask, shapes) -> RankRepor
     plan = build_plan(sharding, comm_type, rank, a2a_size or 1, mask)
     plan_ms = (time.perf_counter() - t0) * 1e3
     tokens = sharding.num_tokens(rank)
-    kv_row, grad_row = hkv * (d + dv) * es, hkv * (d + dv) * 4
+    kv_row, grad_row = hkv * (d + dv) * es, hkv * (d + dv) * _acc(es)
     sent = {"forward": 0, "backward": 0}
     recv = {"forward": 0, "backward": 0}
     padding, packed, heads_share, steps, heads = 0, 0, 1.0, [], hq

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from types import ModuleType
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -55,6 +56,7 @@ class PreparedCPAttention:
         self._groups, self._heads = c.groups, c.heads
         self._run = Run(plan=plan, group=c.groups.p2p, backend=c.backend, scale=c.scale, dk=c.shapes.dqk)
         self._schedule: ModuleType = schedule_of(plan)
+        self._fullgraph = self._traceable(c.sharding)
         prepare_plan(plan, c.q.device)  # a lookup where `_get_plan` built the plan here
 
     def __reduce__(self):
@@ -66,9 +68,27 @@ class PreparedCPAttention:
     @property
     def fullgraph(self) -> bool:
         """Whether a call traces without a graph break: no ``p2p`` ring with a peer (CP 1, ``all_gather``,
-        ``a2a``); ``p2p`` and ``a2a+p2p`` at CP > 1 keep one break around their ring."""
+        ``a2a``); ``p2p`` and ``a2a+p2p`` at CP > 1 keep one break around their ring. So do the
+        layouts where a rank's traced collective would feed nothing on that rank (the same
+        answer on every rank: the sharding and head counts are global): an ``all_gather`` rank
+        with no token that attends (AOT autograd dropped its gather: the others hung) and an
+        ``a2a`` member with no query head (its exchange was traced with other sizes: gloo
+        aborted the process)."""
+        return self._fullgraph
+
+    def _traceable(self, sharding) -> bool:
         ring = self.plan.ring if self._a2a else self.plan
-        return not isinstance(ring, P2PPlan) or len(ring.counts) == 1
+        if isinstance(ring, P2PPlan) and len(ring.counts) > 1:
+            return False
+        if self._a2a:
+            return all(b > a for a, b in self._heads[0])
+        if self.comm_type != "all_gather":
+            return True
+        for r in range(sharding.cp_size):
+            seg = sharding.rank_segments(r)
+            if not ((seg[:, 2] > seg[:, 1]) & ~np.isin(seg[:, 0], sorted(sharding.muted))).any():
+                return False  # no token of this rank attends
+        return True
 
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_offset: torch.Tensor | None = None
@@ -122,7 +142,9 @@ def _attend(p: PreparedCPAttention, q, k, v, offset) -> torch.Tensor:
 
 
 _attend_eager = torch.compiler.disable(
-    _attend, reason="the p2p ring's batched isend/irecv (P2POp) has no traceable form"
+    _attend,
+    reason="a p2p ring (batched isend/irecv has no traceable form), or a layout where a rank's traced collective "
+    "feeds nothing on that rank (PreparedCPAttention.fullgraph)",
 )
 
 

@@ -331,3 +331,7 @@ def main(argv: list[str] | None = None) -> int:
 
         plot_rows(rows, args.plot, title=f"{sum(cfg['lengths'])} tokens, profile {cfg['profile'].name}")
     return 0
+
+
+if __name__ == "__main__":  # python -m megatron_cp_ext.planner.cli, as python -m megatron_cp_ext.planner
+    raise SystemExit(main())
