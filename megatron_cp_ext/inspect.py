@@ -36,7 +36,7 @@ from .runtime.validation import as_int
 from .schedules import build_plan
 from .schedules.a2a import A2APlan
 from .schedules.all_gather import GatherPlan
-from .schedules.heads import a2a_bytes, split_heads
+from .schedules.heads import a2a_bytes, acc_bytes, split_heads
 from .schedules.p2p_plan import P2PPlan, use_split
 from .schedules.route import MIN_BYTES, worth
 from .sharding import CPSharding
@@ -223,11 +223,6 @@ def _p2p_bytes(plan: P2PPlan, kv_row: int, grad_row: int) -> tuple[dict, dict, i
     )
 
 
-def _acc(es: int) -> int:
-    """Bytes of an accumulator element (dK/dV partials): fp64 for fp64 inputs, else fp32."""
-    return 8 if es == 8 else 4
-
-
 def _a2a_bytes(plan: A2APlan, hq: int, hkv: int, d: int, dv: int, es: int, tokens: int, rank: int):
     """Bytes of the all-to-alls (queries and KV out, outputs back; gradients mirror them) plus the
     p2p exchange across the a2a groups, for this member's (possibly uneven) head shard."""
@@ -242,7 +237,7 @@ def _a2a_bytes(plan: A2APlan, hq: int, hkv: int, d: int, dv: int, es: int, token
     fwd_out, fwd_in, bwd_out, bwd_in = a2a_bytes(out_q, out_kv, in_q, in_kv, d, dv, es, hkv < a)
     ring = plan.ring
     hkv_ring = nkv[me] if nq[me] else 0  # a member without query heads skips the ring across groups
-    rs, rr, packed = _p2p_bytes(ring, hkv_ring * (d + dv) * es, hkv_ring * (d + dv) * _acc(es))
+    rs, rr, packed = _p2p_bytes(ring, hkv_ring * (d + dv) * es, hkv_ring * (d + dv) * acc_bytes(es))
     sent = {"forward": fwd_out + rs["forward"], "backward": bwd_out + rs["backward"]}
     recv = {"forward": fwd_in + rr["forward"], "backward": bwd_in + rr["backward"]}
     # a2a's rows land in group order run by run (``schedules/route.py``), no gather, where the
@@ -265,7 +260,7 @@ def _a2a_bytes(plan: A2APlan, hq: int, hkv: int, d: int, dv: int, es: int, token
     split = use_split(ring.counts[ring.rank], nq[me], dv, es)
     fwd = [(st.slot, st.fwd if split and st.fwd is not None else st.plan) for st in ring.steps]
     calls = _call_reports(0, ring.own) + [c for slot, p in fwd for c in _call_reports(slot, p)]
-    row, grad = hkv_ring * (d + dv) * es, hkv_ring * (d + dv) * _acc(es)
+    row, grad = hkv_ring * (d + dv) * es, hkv_ring * (d + dv) * acc_bytes(es)
     steps += _ring_steps(ring, row, grad, lambda j: j * a + me) if nq[me] else []
     return sent, recv, packed, nq[me] / hq, calls if nq[me] else [], steps, nq[me]
 
@@ -277,7 +272,7 @@ def _rank_report(sharding, comm_type, rank, a2a_size, mask, shapes) -> RankRepor
     plan = build_plan(sharding, comm_type, rank, a2a_size or 1, mask)
     plan_ms = (time.perf_counter() - t0) * 1e3
     tokens = sharding.num_tokens(rank)
-    kv_row, grad_row = hkv * (d + dv) * es, hkv * (d + dv) * _acc(es)
+    kv_row, grad_row = hkv * (d + dv) * es, hkv * (d + dv) * acc_bytes(es)
     sent = {"forward": 0, "backward": 0}
     recv = {"forward": 0, "backward": 0}
     padding, packed, heads_share, steps, heads = 0, 0, 1.0, [], hq

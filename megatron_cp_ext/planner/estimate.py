@@ -41,7 +41,7 @@ from .. import schedules
 from ..masks import MaskSpec
 from ..masks.geometry import BIG, bounds
 from ..plan.calls import Layout, _join, _Pieces, _pieces, merge_ranges
-from ..schedules.heads import a2a_bytes, split_heads
+from ..schedules.heads import a2a_bytes, acc_bytes, split_heads
 from ..schedules.staged_plan import staged_fits
 from ..sharding import CPSharding
 from .chains import member_area, merge_chains
@@ -290,7 +290,7 @@ def estimate_times(
     cp = sharding.cp_size
     sh = _Shape(num_heads, num_kv_heads, head_dim, v_head_dim, element_size)
     kv_row = num_kv_heads * (head_dim + v_head_dim) * element_size
-    grad_row = num_kv_heads * (head_dim + v_head_dim) * 4
+    grad_row = num_kv_heads * (head_dim + v_head_dim) * acc_bytes(element_size)
     owner = np.repeat(np.arange(cp), np.diff(sharding.rank_ptr))
     counts = np.bincount(owner, weights=sharding.seg[:, 2] - sharding.seg[:, 1], minlength=cp).astype(np.int64)
     ranks = np.arange(cp)
@@ -365,7 +365,7 @@ def _a2a_times(sharding: CPSharding, owner, mask: MaskSpec, a: int, counts: np.n
         coll = {"forward": lat * (a - 1) + fwd / bw, "backward": lat * (a - 1) + bwd / bw}
     heads = nq[me]
     kv_row = nkv[me] * (sh.d + sh.dv) * sh.es * (heads > 0)  # without query heads: no ring across groups
-    grad_row = nkv[me] * (sh.d + sh.dv) * 4 * (heads > 0)
+    grad_row = nkv[me] * (sh.d + sh.dv) * acc_bytes(sh.es) * (heads > 0)
     if staged:
         return _staged_a2a(geo, local_share(useg, ugroup, gsum[::a], mask), a, nq, nkv, sh, prof, coll)
     return _ring_times(geo, g, lambda j: j * a + me, kv_row, grad_row, heads, sh, prof, coll)
@@ -383,7 +383,7 @@ def _staged_a2a(geo, local, a: int, nq, nkv, sh: _Shape, prof, coll: dict) -> di
         cp_rank = np.arange(n) * a + m
         bw = _collective_bw(cp_rank, np.full(n, m), np.full(n, (n - 1) * a + m), prof)
         row = nkv[m] * (sh.d + sh.dv)
-        t = staged_times(geo, local, row * sh.es, row * 4, int(nq[m]), sh, prof, bw)
+        t = staged_times(geo, local, row * sh.es, row * acc_bytes(sh.es), int(nq[m]), sh, prof, bw)
         for p in PHASES:
             out[p][cp_rank] += t[p]
     return out

@@ -48,6 +48,12 @@ def split_heads(hq: int, hkv: int, a: int) -> tuple[tuple[Range, ...], tuple[Ran
     return tuple(q), tuple(kv)
 
 
+def acc_bytes(es: int) -> int:
+    """Bytes of an accumulator element (dK/dV partials, row terms) for inputs of ``es``-byte
+    elements: fp64 for fp64 inputs, else fp32."""
+    return 8 if es == 8 else 4
+
+
 def a2a_bytes(
     out_q: Count, out_kv: Count, in_q: Count, in_kv: Count, d: int, dv: int, es: int, replicated: bool
 ) -> tuple[Count, Count, Count, Count]:
@@ -59,7 +65,7 @@ def a2a_bytes(
     and v to heads again and send dK/dV home in the accumulator dtype. The plan report and the
     ``auto`` estimate both price with this; ``tests/L1/test_a2a_stand_in.py`` holds it to the
     bytes the schedule sends."""
-    acc = 8 if es == 8 else 4
+    acc = acc_bytes(es)
     q_w, o_w, kv_w = d * es, dv * es, (d + dv) * es
     d_w, g_w = o_w + acc, (d + dv) * acc if replicated else kv_w
     rep = int(replicated)

@@ -12,7 +12,7 @@ from megatron_cp_ext import schedules
 from megatron_cp_ext.masks import MaskSpec
 from megatron_cp_ext.planner import auto, chains, estimate
 from megatron_cp_ext.planner.profiles import load_profile
-from megatron_cp_ext.schedules import staged_plan
+from megatron_cp_ext.schedules import p2p_plan, staged_plan
 from megatron_cp_ext.sharding import batches
 
 CANDIDATES = ("a2a+p2p", "p2p", "all_gather", "a2a")
@@ -63,11 +63,17 @@ def test_estimate_agrees_with_full_model(seed, schedule, monkeypatch):
     assert all(abs(e) < bound.get(ct, 0.05) for ct, e in err.items()), err
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("seed", range(3))
-def test_merged_chains_price_like_the_full_model(seed, monkeypatch):
+def test_merged_chains_price_like_the_full_model(seed, dtype, monkeypatch):
     """Dualchunk batches, whose same-shape documents the estimate merges into chains
-    (``planner/chains.py``): every candidate's price equals the full model's to rounding."""
+    (``planner/chains.py``): every candidate's price equals the full model's to rounding (fp64
+    too, whose dK/dV move in fp64: the estimate priced them at fp32 size)."""
     _, _, kw = _family(seed)
+    kw["dtype"] = dtype
+    # the estimate does not price a2a+p2p's halved forward calls on large shards (launches only;
+    # fp64 shards here pass p2p_plan.SPLIT_MIN_BYTES, bf16 ones do not): the full model without them
+    monkeypatch.setattr(p2p_plan, "SPLIT_MIN_BYTES", float("inf"))
     spec = [dict(causal=True), dict(causal=True, window_size=(2000, 0)), dict(causal=False)][seed]
     lens = batches.lognormal(6000, median=300, seed=seed)
     sharding = mcx.shard_sequences(batches.cu_seqlens(lens), 4, balance="dualchunk", **spec)
