@@ -177,7 +177,7 @@ def _mismatch_worker(rank, world, what):
         sharding, dtype = AttnCase(seqlens=SEQLENS, balance="dualchunk").sharding(world), torch.float64
     else:  # on an H100's profile this batch's choice follows the element size
         auto.set_auto_profile("h100")
-        sharding, dtype = mcx.shard_sequences([0, 1000, 1024], world), (torch.float64, torch.float32)[rank]
+        sharding, dtype = mcx.shard_sequences([0, 2000, 2048], world), (torch.float32, torch.bfloat16)[rank]
     q, k, v = (torch.randn(sharding.num_tokens(rank), h, 8, dtype=dtype) for h in (4, 2, 2))
     try:
         mcx.cp_attention(q, k, v, cp_group=torch.distributed.group.WORLD, comm_type="auto", sharding=sharding)
